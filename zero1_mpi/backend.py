@@ -1,0 +1,90 @@
+"""Array backends: NumPy on the host, CuPy on the GPU.
+
+The only module that imports CuPy, and only when it is handed a CuPy array or asked for the
+``cupy`` backend, so the package imports on machines with no GPU and no CuPy. Also the one
+place that knows the supported dtypes (``float32``, ``float16`` and ``ml_dtypes.bfloat16``).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+PARAM_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                "bfloat16": BFLOAT16}
+
+
+def resolve_dtype(dtype, what: str = "param_dtype") -> np.dtype:
+    """``dtype`` as one of the supported NumPy dtypes, or a ValueError naming the choices."""
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved not in PARAM_DTYPES.values():
+        raise ValueError(f"{what}={dtype!r} is not supported: use one of "
+                         f"{', '.join(PARAM_DTYPES)}")
+    return resolved
+
+
+def is_device_array(array) -> bool:
+    return type(array).__module__.split(".")[0] in ("cupy", "cupyx")
+
+
+def backend_name(array) -> str | None:
+    """``"numpy"``, ``"cupy"``, or None for anything that is neither."""
+    if isinstance(array, np.ndarray):
+        return "numpy"
+    if is_device_array(array) and hasattr(array, "__cuda_array_interface__"):
+        return "cupy"
+    return None
+
+
+def xp_for(name: str):
+    """The array module of backend ``name``."""
+    if name == "numpy":
+        return np
+    if name == "cupy":
+        return _cupy()
+    raise ValueError(f"backend={name!r} is not known: use 'numpy' or 'cupy'")
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise ImportError("the cupy backend needs CuPy: pip install 'zero1-mpi[cuda12]' "
+                          "(or [cuda13])") from exc
+    return cupy
+
+
+def synchronize(array) -> None:
+    """Wait until the work queued on the current stream (which may write ``array``) is done."""
+    if is_device_array(array):
+        _cupy().cuda.get_current_stream().synchronize()
+
+
+def pinned_empty(nbytes: int, device: bool) -> np.ndarray:
+    """A flat uint8 host buffer, page-locked when it is to stage device memory."""
+    if device:
+        import cupyx
+        return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def copy_to_host(array, host: np.ndarray) -> None:
+    if is_device_array(array):
+        array.reshape(-1).get(out=host)
+    else:
+        np.copyto(host, array.reshape(-1))
+
+
+def copy_from_host(host: np.ndarray, array) -> None:
+    if is_device_array(array):
+        array.reshape(-1).set(host)
+    else:
+        np.copyto(array.reshape(-1), host)
+
+
+def to_numpy(array) -> np.ndarray:
+    return array.get() if is_device_array(array) else np.asarray(array)

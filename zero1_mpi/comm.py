@@ -1,0 +1,203 @@
+"""The communicator layer: the only module that imports mpi4py.
+
+``Communicator`` wraps an mpi4py intracommunicator and offers the few collectives the optimizer
+needs, on NumPy or CuPy buffers alike. CuPy buffers go straight to MPI when the library is
+CUDA-aware (after synchronizing the stream that wrote them) and are otherwise staged through
+pinned host buffers that are allocated once and reused. Whether MPI is CUDA-aware is decided
+in this order: the ``cuda_aware`` argument, the ``ZERO1_MPI_CUDA_AWARE`` environment variable,
+``MPIX_Query_cuda_support`` from the loaded MPI library, and finally "no" (staging).
+
+``agree`` turns an error that some ranks detected into the same exception on every rank, so
+checks made before a collective never leave other ranks waiting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from . import backend
+
+CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+_REDUCE_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float16): MPI.FLOAT16_T,
+                 np.dtype(np.float64): MPI.DOUBLE}
+
+
+class CollectiveError(RuntimeError):
+    """Raised on every rank when the ranks disagree about something that must be identical."""
+
+
+def query_cuda_support() -> bool | None:
+    """Ask the loaded MPI library whether it is CUDA-aware; None where it cannot say."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps
+                            if os.path.basename(line.split()[-1]).startswith("libmpi")
+                            and ".so" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        return bool(query())
+    return None
+
+
+def resolve_cuda_aware(explicit: bool | None = None, environ=None,
+                       query=query_cuda_support) -> tuple[bool, str]:
+    """``(cuda_aware, how it was decided)``: explicit setting, environment, query, default."""
+    if explicit is not None:
+        if not isinstance(explicit, bool):
+            raise TypeError(f"cuda_aware={explicit!r} must be True, False or None (auto)")
+        return explicit, "argument"
+    value = (os.environ if environ is None else environ).get(CUDA_AWARE_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True, f"{CUDA_AWARE_ENV}={value}"
+    if value in _FALSE:
+        return False, f"{CUDA_AWARE_ENV}={value}"
+    if value:
+        raise ValueError(f"{CUDA_AWARE_ENV}={value!r} is not understood: set it to 1 (MPI is "
+                         "CUDA-aware) or 0 (stage GPU buffers through host memory), or unset it")
+    answer = query()
+    if answer is not None:
+        return answer, "MPIX_Query_cuda_support"
+    return False, "default (no query available)"
+
+
+class Communicator:
+    """Collectives over an mpi4py intracommunicator, for host and device buffers.
+
+    Every method must be called on all ranks of the communicator.
+    """
+
+    def __init__(self, comm=None, *, cuda_aware: bool | None = None, stage_host: bool = False):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
+            raise ValueError("comm=MPI.COMM_NULL cannot communicate: pass a communicator this "
+                             "rank belongs to (for example MPI.COMM_WORLD)")
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm={comm!r} is not an mpi4py intracommunicator: pass "
+                            "MPI.COMM_WORLD, a communicator made from it with Split/Dup, or None")
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.cuda_aware, self.cuda_aware_source = resolve_cuda_aware(cuda_aware)
+        # stage_host=True sends host buffers through the staging path too (tests and debugging).
+        self.stage_host = stage_host
+        self._staging: dict[str, np.ndarray] = {}
+
+    # -- agreement on small Python values ------------------------------------------------------
+
+    def agree(self, error: str | None, exc_type: type[Exception] = ValueError) -> None:
+        """Raise ``exc_type`` on every rank if any rank passes an error message."""
+        errors = self.comm.allgather(error)
+        failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
+        if failed:
+            rank, msg = failed[0]
+            where = f"rank {rank}" + (" (this rank)" if rank == self.rank else "")
+            more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+            raise exc_type(f"{msg} [detected on {where}{more}]")
+
+    def check_same(self, value, what: str, fix: str) -> None:
+        """Raise ``CollectiveError`` on every rank unless ``value`` is equal on all ranks."""
+        values = self.comm.allgather(value)
+        differing = [rank for rank, v in enumerate(values) if v != values[0]]
+        if differing:
+            raise CollectiveError(f"{what} differs between ranks (rank 0 vs rank "
+                                  f"{differing[0]}): {fix}")
+
+    def allreduce_max(self, value: float) -> float:
+        return self.comm.allreduce(value, op=MPI.MAX)
+
+    # -- collectives on array buffers ----------------------------------------------------------
+
+    def bcast(self, buf, root: int = 0) -> None:
+        """Broadcast ``buf`` (any dtype, contiguous) from ``root`` in place."""
+        with self._host_view(buf, "bcast") as host:
+            self.comm.Bcast([_bytes(host), MPI.BYTE], root=root)
+
+    def reduce_scatter_sum(self, send, recv) -> None:
+        """``recv`` (len(send) / size elements) = this rank's block of the sum of ``send``."""
+        mpi_type = _reduce_type(send.dtype)
+        with self._host_view(send, "rs_send", copy_out=False) as host_send, \
+                self._host_view(recv, "rs_recv", copy_in=False) as host_recv:
+            self.comm.Reduce_scatter_block([host_send, mpi_type], [host_recv, mpi_type], MPI.SUM)
+
+    def alltoall(self, send, recv) -> None:
+        """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` comes from rank ``i``."""
+        with self._host_view(send, "a2a_send", copy_out=False) as host_send, \
+                self._host_view(recv, "a2a_recv", copy_in=False) as host_recv:
+            self.comm.Alltoall([_bytes(host_send), MPI.BYTE], [_bytes(host_recv), MPI.BYTE])
+
+    def allgather_inplace(self, buf) -> None:
+        """Each rank's block of ``buf`` (block ``rank``, len/size elements) goes to every rank."""
+        with self._host_view(buf, "allgather") as host:
+            self.comm.Allgather(MPI.IN_PLACE, [_bytes(host), MPI.BYTE])
+
+    # -- staging -------------------------------------------------------------------------------
+
+    def _host_view(self, buf, role: str, copy_in: bool = True, copy_out: bool = True):
+        return _Staged(self, buf, role, copy_in, copy_out)
+
+    def _needs_staging(self, buf) -> bool:
+        if backend.is_device_array(buf):
+            return not self.cuda_aware
+        return self.stage_host
+
+    def _staging_buffer(self, role: str, like) -> np.ndarray:
+        """A reusable (pinned, for device buffers) host buffer for ``role``, grown as needed."""
+        held = self._staging.get(role)
+        if held is None or held.nbytes < like.nbytes:
+            held = backend.pinned_empty(like.nbytes, device=backend.is_device_array(like))
+            self._staging[role] = held
+        return held[:like.nbytes].view(like.dtype)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(buf.nbytes for buf in self._staging.values())
+
+
+class _Staged:
+    """Context manager: a host buffer MPI can use for ``buf``; copies back what MPI wrote."""
+
+    def __init__(self, comm: Communicator, buf, role: str, copy_in: bool, copy_out: bool):
+        self.buf = buf
+        self.staged = comm._needs_staging(buf)
+        self.host = comm._staging_buffer(role, buf) if self.staged else None
+        self.copy_in = copy_in
+        self.copy_out = copy_out
+
+    def __enter__(self):
+        if not self.staged:
+            backend.synchronize(self.buf)  # MPI reads device memory: the writes must be done
+            return self.buf
+        if self.copy_in:
+            backend.copy_to_host(self.buf, self.host)
+        return self.host
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.staged and self.copy_out and exc_type is None:
+            backend.copy_from_host(self.host, self.buf)
+        return False
+
+
+def _bytes(buf):
+    return buf.reshape(-1).view(np.uint8)
+
+
+def _reduce_type(dtype):
+    try:
+        return _REDUCE_TYPES[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"MPI has no reduction for dtype {np.dtype(dtype).name}: reduce "
+                        "float32 or float16 buffers (bfloat16 gradients are exchanged with "
+                        "Alltoall and summed in float32)") from None

@@ -1,0 +1,136 @@
+"""The fused Adam/AdamW update of one shard, as a CuPy kernel and its NumPy twin.
+
+Both twins take the gradient in any supported dtype (it is multiplied by ``grad_scale`` first,
+which turns a sum over ranks into a mean), update the fp32 ``master``, ``exp_avg`` and
+``exp_avg_sq`` in place, and write the new value, rounded to the parameter dtype, into
+``param`` when the parameters are 16-bit. For fp32 parameters ``master`` *is* the parameter
+shard and ``param`` is None. The rule is ``torch.optim.Adam`` / ``AdamW``: bias correction,
+eps outside the square root, L2 (Adam) or decoupled (AdamW) weight decay. Bias corrections
+and the other step-dependent factors are host scalars computed once per step by
+``AdamScalars.for_step``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import backend
+
+#: Elements per NumPy chunk: the fp32 scratch (2 x 256 KiB) stays in cache.
+NUMPY_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class AdamScalars:
+    """Host scalars of one step for one parameter group."""
+
+    grad_scale: float      # multiplies the incoming gradient (1/world_size for a mean)
+    beta1: float
+    beta2: float
+    eps: float
+    l2: float              # Adam: weight_decay added to the gradient as weight_decay * p
+    decay: float           # AdamW: p *= decay, with decay = 1 - lr * weight_decay
+    step_size: float       # lr / (1 - beta1**step)
+    bc2_sqrt: float        # sqrt(1 - beta2**step)
+
+    @classmethod
+    def for_step(cls, step: int, *, lr, betas, eps, weight_decay, decoupled, grad_scale=1.0):
+        beta1, beta2 = betas
+        return cls(grad_scale=float(grad_scale), beta1=float(beta1), beta2=float(beta2),
+                   eps=float(eps),
+                   l2=0.0 if decoupled else float(weight_decay),
+                   decay=1.0 - lr * weight_decay if decoupled else 1.0,
+                   step_size=lr / (1.0 - beta1 ** step),
+                   bc2_sqrt=math.sqrt(1.0 - beta2 ** step))
+
+
+class NumpyAdam:
+    """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
+
+    def __init__(self, chunk: int = NUMPY_CHUNK):
+        self.chunk = chunk
+        self._g = np.empty(chunk, np.float32)
+        self._t = np.empty(chunk, np.float32)
+
+    def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
+        for start in range(0, master.size, self.chunk):
+            stop = min(start + self.chunk, master.size)
+            self._update(grad[start:stop], master[start:stop], exp_avg[start:stop],
+                         exp_avg_sq[start:stop], None if param is None else param[start:stop], s)
+
+    def _update(self, grad, p, m, v, param, s: AdamScalars) -> None:
+        g, t = self._g[:p.size], self._t[:p.size]
+        np.multiply(grad, s.grad_scale, out=g, dtype=np.float32)  # g = mean gradient, in fp32
+        if s.l2:
+            np.multiply(p, s.l2, out=t)                            # Adam: g += wd * p
+            g += t
+        np.subtract(g, m, out=t)                                   # m = lerp(m, g, 1 - beta1)
+        t *= 1.0 - s.beta1
+        m += t
+        v *= s.beta2                                               # v = beta2 v + (1-beta2) g^2
+        np.multiply(g, g, out=t)
+        t *= 1.0 - s.beta2
+        v += t
+        if s.decay != 1.0:
+            p *= s.decay                                           # AdamW: p *= 1 - lr * wd
+        np.sqrt(v, out=t)                                          # denom = sqrt(v)/bc2_sqrt + eps
+        t /= s.bc2_sqrt
+        t += s.eps
+        np.divide(m, t, out=t)                                     # p -= step_size * m / denom
+        t *= -s.step_size
+        p += t
+        if param is not None:
+            np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
+
+
+# The CuPy twin. ``grad`` and ``param`` are templated (G, P): float32, float16 or bfloat16.
+_CUDA_IN = ("G grad, float32 grad_scale, float32 beta1, float32 beta2, float32 eps, "
+            "float32 l2, float32 decay, float32 step_size, float32 bc2_sqrt")
+_CUDA_MATH = r"""
+    float g = (float)grad * grad_scale;                  // mean gradient, in fp32
+    g += l2 * p;                                         // Adam: L2 term (l2 = 0 for AdamW)
+    float m = exp_avg + (1.0f - beta1) * (g - exp_avg);  // first moment: lerp(m, g, 1 - beta1)
+    float v = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;  // second moment
+    p *= decay;                                          // AdamW: 1 - lr * wd (1 for Adam)
+    float denom = sqrtf(v) / bc2_sqrt + eps;             // bias-corrected sqrt(v), eps outside
+    p -= step_size * m / denom;                          // step_size = lr / (1 - beta1^t)
+    exp_avg = m;
+    exp_avg_sq = v;
+"""
+_CUDA_MIXED = ("float p = master;" + _CUDA_MATH +
+               "    master = p;\n    param = (P)p;                    // round to 16 bits\n")
+_CUDA_FP32 = "float p = param;" + _CUDA_MATH + "    param = p;\n"
+_cuda_kernels: dict[str, object] = {}
+
+
+def _cuda_kernel(kind: str):
+    """The (cached) ElementwiseKernel: ``mixed`` (fp32 master + 16-bit param) or ``fp32``."""
+    if kind not in _cuda_kernels:
+        cupy = backend.xp_for("cupy")
+        if kind == "mixed":
+            out, body = "float32 master, float32 exp_avg, float32 exp_avg_sq, P param", _CUDA_MIXED
+        else:
+            out, body = "float32 param, float32 exp_avg, float32 exp_avg_sq", _CUDA_FP32
+        _cuda_kernels[kind] = cupy.ElementwiseKernel(_CUDA_IN, out, body, f"zero1_adam_{kind}")
+    return _cuda_kernels[kind]
+
+
+class CupyAdam:
+    """The CuPy twin: one fused kernel launch per shard range, queued on the current stream."""
+
+    def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
+        scalars = tuple(np.float32(x) for x in (s.grad_scale, s.beta1, s.beta2, s.eps, s.l2,
+                                                s.decay, s.step_size, s.bc2_sqrt))
+        args = (grad,) + scalars
+        if param is None:
+            _cuda_kernel("fp32")(*args, master, exp_avg, exp_avg_sq)
+        else:
+            _cuda_kernel("mixed")(*args, master, exp_avg, exp_avg_sq, param)
+
+
+def make_adam(backend_name: str):
+    """The fused update for ``backend_name`` (``"numpy"`` or ``"cupy"``)."""
+    return CupyAdam() if backend_name == "cupy" else NumpyAdam()

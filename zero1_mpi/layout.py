@@ -1,0 +1,132 @@
+"""Where every tensor lives in the flat buffers, and which slice each rank owns.
+
+Pure data: no arrays, no MPI. Tensors are packed in order into buckets (the unit of
+communication). Each bucket is padded to a multiple of ``world_size * align`` elements and cut
+into ``world_size`` equal contiguous shards, so one count serves every rank in
+``Reduce_scatter_block`` / ``Allgather``. A tensor never straddles buckets but may straddle
+shards. ``Layout.fingerprint`` lets ranks check that they built the same layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+#: Shards are whole multiples of this many elements (aligned, vector-friendly).
+DEFAULT_ALIGN = 64
+#: Default upper bound of a bucket, in elements (16-bit: 32 MiB of gradients per bucket).
+DEFAULT_BUCKET_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One named tensor: ``numel`` elements at ``offset`` of the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """``size`` elements at ``offset`` (``used`` real ones, then padding), in equal shards."""
+
+    index: int
+    offset: int
+    used: int
+    size: int
+    world_size: int
+
+    @property
+    def shard_size(self) -> int:
+        return self.size // self.world_size
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """Flat ``(start, stop)`` of the slice of this bucket that ``rank`` owns."""
+        start = self.offset + rank * self.shard_size
+        return start, start + self.shard_size
+
+    def owned_real(self, rank: int) -> int:
+        """How many real (non-padding) elements ``rank``'s shard of this bucket holds."""
+        start, stop = self.shard(rank)
+        return max(0, min(stop, self.offset + self.used) - start)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensors: tuple[TensorSlot, ...]
+    buckets: tuple[Bucket, ...]
+    world_size: int
+    align: int
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        """Ψ: the number of real parameter elements."""
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def total(self) -> int:
+        """Elements in each flat buffer, padding included."""
+        return sum(b.size for b in self.buckets)
+
+    @property
+    def padding(self) -> int:
+        return self.total - self.numel
+
+    @property
+    def shard_total(self) -> int:
+        """Elements one rank owns over all buckets (padding included); equal on every rank."""
+        return self.total // self.world_size
+
+    def bucket_tensors(self, bucket: Bucket) -> list[TensorSlot]:
+        return [t for t in self.tensors if t.bucket == bucket.index]
+
+    def owned_real(self, rank: int) -> int:
+        return sum(b.owned_real(rank) for b in self.buckets)
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of everything that must agree across ranks before the first collective."""
+        text = repr((self.world_size, self.align, self.dtype,
+                     [(t.name, t.shape, t.offset, t.bucket) for t in self.tensors],
+                     [(b.offset, b.used, b.size) for b in self.buckets]))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_layout(shapes, world_size: int, dtype: str, *,
+                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+                 align: int = DEFAULT_ALIGN) -> Layout:
+    """Pack ``shapes`` (an ordered mapping name -> shape) into padded, sharded buckets."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if not isinstance(bucket_elements, int) or bucket_elements < 1:
+        raise ValueError(f"bucket_elements={bucket_elements!r} must be a positive integer "
+                         f"(default {DEFAULT_BUCKET_ELEMENTS})")
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"align={align!r} must be a positive integer (default {DEFAULT_ALIGN})")
+    quantum = world_size * align
+
+    tensors: list[TensorSlot] = []
+    buckets: list[Bucket] = []
+    bucket_start = used = 0
+
+    def close_bucket():
+        nonlocal bucket_start, used
+        size = max(quantum, math.ceil(used / quantum) * quantum)
+        buckets.append(Bucket(len(buckets), bucket_start, used, size, world_size))
+        bucket_start += size
+        used = 0
+
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if used and used + numel > bucket_elements:
+            close_bucket()
+        tensors.append(TensorSlot(name, tuple(shape), bucket_start + used, numel, len(buckets)))
+        used += numel
+    if used or not buckets:
+        close_bucket()
+    return Layout(tuple(tensors), tuple(buckets), world_size, align, dtype)
