@@ -12,7 +12,7 @@ RANKS = [1, 2, 3, 4]
 @pytest.mark.parametrize("n", RANKS)
 def test_parity_with_single_process_adam(n):
     out = run_mpi(n, "parity.py", timeout=300).stdout
-    assert f"OK parity: 30 cases x 20 steps on {n} ranks" in out
+    assert f"OK parity: 30 cases x 20 steps on {n} ranks (numpy)" in out
 
 
 @pytest.mark.parametrize("n", RANKS)
@@ -29,3 +29,8 @@ def test_rank_failing_inside_step_aborts_the_job(n):
     assert "injected failure in the Adam kernel" in result.stderr
     assert "UNREACHABLE" not in result.stdout
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_communicator_collectives_direct_and_staged(n):
+    assert f"OK comm on {n} ranks" in run_mpi(n, "comm.py", timeout=120).stdout

@@ -33,7 +33,8 @@ class ZeroAdam:
 
     Args:
         params: mapping name -> NumPy or CuPy array (initial values; rank 0's are broadcast).
-        comm: an mpi4py intracommunicator; ``MPI.COMM_WORLD`` when None.
+        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None), or a
+            ``zero1_mpi.Communicator`` built from one.
         lr, betas, eps, weight_decay: as in ``torch.optim.Adam``.
         decoupled_weight_decay: AdamW's decay (``p *= 1 - lr * wd``) instead of L2.
         param_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``; default: the arrays' dtype.
@@ -49,7 +50,8 @@ class ZeroAdam:
                  weight_decay=0.0, *, decoupled_weight_decay=False, param_dtype=None,
                  reduce_dtype="float32", bucket_elements=DEFAULT_BUCKET_ELEMENTS,
                  cuda_aware=None):
-        self.comm = Communicator(comm, cuda_aware=cuda_aware)
+        self.comm = (comm if isinstance(comm, Communicator)
+                     else Communicator(comm, cuda_aware=cuda_aware))
         rank, size = self.comm.rank, self.comm.size
 
         try:

@@ -1,18 +1,23 @@
 """N ranks == one process: ZeroAdam/ZeroAdamW against the float64 reference on averaged grads.
 
-Run on any number of ranks: ``mpiexec -n N python -m mpi4py tests/cases/parity.py``. Every rank
+Run on any number of ranks: ``mpiexec -n N python -m mpi4py tests/cases/parity.py [cupy]``
+(``cupy``: parameters on the GPU, picked by node-local rank). Every rank
 draws every rank's gradients from seeded generators, so each rank can run the reference itself
 and check its own (full) parameters. Any mismatch raises, which aborts the job.
 """
 
 import hashlib
+import sys
 
 import numpy as np
 from mpi4py import MPI
 
 from reference import ReferenceAdam, max_rel_err, max_ulp_diff
 from zero1_mpi import ZeroAdam, ZeroAdamW
-from zero1_mpi.backend import resolve_dtype
+from zero1_mpi.backend import resolve_dtype, to_numpy, xp_for
+
+BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
+xp = xp_for(BACKEND)
 
 STEPS = 20
 AWKWARD = {"scalar": (), "empty": (0, 3), "one": (1,), "vec": (7,), "mat": (5, 13),
@@ -35,7 +40,7 @@ def check(comm, layout_name, dtype_name, cls, weight_decay):
     dtype = resolve_dtype(dtype_name)
     rank, size = comm.Get_rank(), comm.Get_size()
     # Ranks start from different values: rank 0's must win the broadcast.
-    init = {k: np.random.default_rng([3, rank]).standard_normal(s).astype(np.float32)
+    init = {k: xp.asarray(np.random.default_rng([3, rank]).standard_normal(s).astype(np.float32))
             for k, s in shapes.items()}
     opt = cls(init, comm, lr=1e-2, weight_decay=weight_decay, param_dtype=dtype_name, **options)
     rank0_init = {k: np.random.default_rng([3, 0]).standard_normal(s).astype(np.float32)
@@ -43,21 +48,21 @@ def check(comm, layout_name, dtype_name, cls, weight_decay):
     ref = ReferenceAdam(rank0_init, lr=1e-2, weight_decay=weight_decay,
                         decoupled=cls is ZeroAdamW)
     for name in shapes:
-        assert np.shares_memory(opt.params[name], opt._params) or opt.params[name].size == 0
-        assert np.shares_memory(opt.grads[name], opt._grads) or opt.grads[name].size == 0
+        assert xp.shares_memory(opt.params[name], opt._params) or opt.params[name].size == 0
+        assert xp.shares_memory(opt.grads[name], opt._grads) or opt.grads[name].size == 0
         assert opt.params[name].shape == shapes[name] and opt.params[name].dtype == dtype
 
     for step in range(1, STEPS + 1):
         opt.zero_grad()
         for k, g in grads_of(rank, step, shapes, dtype).items():
-            opt.grads[k][...] = g
+            opt.grads[k][...] = xp.asarray(g)
         opt.step()
         every = [grads_of(r, step, shapes, dtype) for r in range(size)]
         ref.step({k: np.mean([np.asarray(e[k], np.float64) for e in every], axis=0)
                   for k in shapes})
 
         for k in shapes:
-            got, want = opt.params[k], ref.params[k]
+            got, want = to_numpy(opt.params[k]), ref.params[k]
             if dtype == np.float32:
                 err = max_rel_err(got, want)
                 ok = err <= 1e-6
@@ -68,13 +73,16 @@ def check(comm, layout_name, dtype_name, cls, weight_decay):
                 raise AssertionError(f"{layout_name}/{dtype_name}/{cls.__name__}/wd="
                                      f"{weight_decay}: step {step}, {k!r} off by {err} on rank "
                                      f"{rank} of {size}")
-    digest = hashlib.sha256(opt._params.tobytes()).hexdigest()
+    digest = hashlib.sha256(to_numpy(opt._params).tobytes()).hexdigest()
     if len(set(comm.allgather(digest))) != 1:
         raise AssertionError(f"{layout_name}/{dtype_name}: parameters differ between ranks")
 
 
 def main():
     comm = MPI.COMM_WORLD
+    if BACKEND == "cupy":
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        xp.cuda.Device(local % xp.cuda.runtime.getDeviceCount()).use()
     cases = 0
     for layout_name in LAYOUTS:
         for dtype_name in ("float32", "float16", "bfloat16"):
@@ -84,7 +92,7 @@ def main():
                 check(comm, layout_name, dtype_name, cls, wd)
                 cases += 1
     if comm.Get_rank() == 0:
-        print(f"OK parity: {cases} cases x {STEPS} steps on {comm.Get_size()} ranks")
+        print(f"OK parity: {cases} cases x {STEPS} steps on {comm.Get_size()} ranks ({BACKEND})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""The communicator's collectives on every dtype, direct and through the staging path.
+
+Run on any number of ranks. ``stage_host=True`` sends host buffers through the same staging
+code that CuPy buffers take when MPI is not CUDA-aware; results must be identical.
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from zero1_mpi import CollectiveError, Communicator, ZeroAdam
+from zero1_mpi.backend import PARAM_DTYPES
+
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+
+
+def exact_values(n, r, dtype):
+    """Small integers: sums of them are exact in every dtype, so results compare bitwise."""
+    return ((np.arange(n) % 7) + r).astype(np.float32).astype(dtype)
+
+
+def check_collectives(comm):
+    for name, dtype in PARAM_DTYPES.items():
+        block = 5
+        n = block * size
+        # Alltoall: block j of my send buffer goes to rank j.
+        send = exact_values(n, rank, dtype)
+        recv = np.empty(n, dtype)
+        comm.alltoall(send, recv)
+        for src in range(size):
+            want = exact_values(n, src, dtype)[rank * block:(rank + 1) * block]
+            assert np.array_equal(recv[src * block:(src + 1) * block], want), name
+        # In-place Allgather: each rank fills its own block first.
+        buf = np.zeros(n, dtype)
+        buf[rank * block:(rank + 1) * block] = exact_values(block, rank, dtype)
+        comm.allgather_inplace(buf)
+        for src in range(size):
+            assert np.array_equal(buf[src * block:(src + 1) * block],
+                                  exact_values(block, src, dtype)), name
+        # Bcast from the last rank.
+        buf = exact_values(n, rank, dtype)
+        comm.bcast(buf, root=size - 1)
+        assert np.array_equal(buf, exact_values(n, size - 1, dtype)), name
+        # Reduce-scatter exists for the dtypes MPI can sum.
+        if name != "bfloat16":
+            out = np.empty(block, dtype)
+            comm.reduce_scatter_sum(send, out)
+            want = sum(exact_values(n, r, np.float32) for r in range(size))
+            assert np.array_equal(out, want[rank * block:(rank + 1) * block].astype(dtype)), name
+        else:
+            try:
+                comm.reduce_scatter_sum(send, np.empty(block, dtype))
+            except TypeError as exc:
+                assert "bfloat16" in str(exc)
+            else:
+                raise AssertionError("bfloat16 reduction did not raise")
+
+
+def check_agreement(comm):
+    comm.agree(None)
+    try:
+        comm.agree("bad value on the last rank" if rank == size - 1 else None)
+    except ValueError as exc:
+        assert f"bad value on the last rank [detected on rank {size - 1}" in str(exc)
+    else:
+        raise AssertionError("agree did not raise")
+    comm.check_same("same", "a value", "fix it")
+    if size > 1:
+        try:
+            comm.check_same(rank == 0, "the flag", "pass the same flag")
+        except CollectiveError as exc:
+            assert "the flag differs between ranks" in str(exc)
+        else:
+            raise AssertionError("check_same did not raise")
+
+
+def check_optimizer_through_staging():
+    """The whole optimizer through staged buffers equals it without, bit for bit."""
+    results = []
+    for stage_host in (False, True):
+        for dtype in ("float32", "float16", "bfloat16"):
+            comm = Communicator(world, stage_host=stage_host)
+            opt = ZeroAdam({"a": np.linspace(-1, 1, 301, dtype=np.float32), "b": np.ones(3)},
+                           comm, lr=0.1, param_dtype=dtype, bucket_elements=200)
+            for step in range(3):
+                rng = np.random.default_rng([step, rank])
+                for k, g in opt.grads.items():
+                    g[...] = rng.standard_normal(g.shape)
+                opt.step()
+            results.append(opt._params.copy())
+            if stage_host:
+                assert comm.staging_bytes > 0
+    half = len(results) // 2
+    for direct, staged in zip(results[:half], results[half:]):
+        assert np.array_equal(direct.view(np.uint8), staged.view(np.uint8))
+
+
+def main():
+    for stage_host in (False, True):
+        comm = Communicator(world, stage_host=stage_host)
+        check_collectives(comm)
+        check_agreement(comm)
+    check_optimizer_through_staging()
+    if rank == 0:
+        print(f"OK comm on {size} ranks")
+
+
+if __name__ == "__main__":
+    main()

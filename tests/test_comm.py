@@ -1,0 +1,57 @@
+"""How the communicator decides whether MPI takes GPU buffers, and what it refuses."""
+
+import pytest
+from mpi4py import MPI
+
+from zero1_mpi.comm import CUDA_AWARE_ENV, Communicator, query_cuda_support, resolve_cuda_aware
+
+
+def never_asked():
+    raise AssertionError("the MPI query must not run when the answer is already known")
+
+
+def test_explicit_setting_wins_over_environment_and_query():
+    assert resolve_cuda_aware(True, {CUDA_AWARE_ENV: "0"}, never_asked) == (True, "argument")
+    assert resolve_cuda_aware(False, {CUDA_AWARE_ENV: "1"}, never_asked) == (False, "argument")
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("yes", True), ("ON", True),
+                                             ("0", False), ("false", False), ("off", False)])
+def test_environment_wins_over_query(value, expected):
+    aware, source = resolve_cuda_aware(None, {CUDA_AWARE_ENV: value}, never_asked)
+    assert aware is expected and CUDA_AWARE_ENV in source
+
+
+def test_query_then_default():
+    assert resolve_cuda_aware(None, {}, lambda: True) == (True, "MPIX_Query_cuda_support")
+    assert resolve_cuda_aware(None, {}, lambda: False) == (False, "MPIX_Query_cuda_support")
+    assert resolve_cuda_aware(None, {CUDA_AWARE_ENV: ""}, lambda: None)[0] is False
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match=f"{CUDA_AWARE_ENV}='maybe'"):
+        resolve_cuda_aware(None, {CUDA_AWARE_ENV: "maybe"}, never_asked)
+    with pytest.raises(TypeError, match="cuda_aware='yes'"):
+        resolve_cuda_aware("yes", {}, never_asked)
+
+
+def test_communicator_follows_the_query_when_nothing_is_set(monkeypatch):
+    monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
+    comm = Communicator(MPI.COMM_SELF)
+    answer = query_cuda_support()
+    assert comm.cuda_aware is bool(answer)
+    assert comm.cuda_aware_source == ("MPIX_Query_cuda_support" if answer is not None
+                                      else "default (no query available)")
+    if "MPICH" in MPI.Get_library_version() or "Open MPI" in MPI.Get_library_version():
+        assert answer is not None  # both export MPIX_Query_cuda_support
+
+
+@pytest.mark.parametrize("bad", ["world", 3, None.__class__])
+def test_not_a_communicator(bad):
+    with pytest.raises(TypeError, match="intracommunicator"):
+        Communicator(bad)
+
+
+def test_comm_null():
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        Communicator(MPI.COMM_NULL)

@@ -1,0 +1,90 @@
+"""GPU checks: the CuPy kernel against its NumPy twin, CuPy buffers through the communicator,
+and the multi-rank parity case on CuPy arrays.
+
+Skipped where CuPy or a GPU is missing, unless ZERO1_REQUIRE_GPU=1 (``tools/gpu_check.sh``
+sets it), which turns a skip into a failure.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpirun import run_mpi
+from reference import max_rel_err, max_ulp_diff
+from zero1_mpi import Communicator, ZeroAdamW
+from zero1_mpi.backend import PARAM_DTYPES
+from zero1_mpi.kernels import AdamScalars, CupyAdam, NumpyAdam
+
+
+def _cupy_or_reason():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None, "no CUDA device"
+        return cupy, None
+    except Exception as exc:  # ImportError, or CUDA driver errors on GPU-less machines
+        return None, f"CuPy unusable: {type(exc).__name__}: {exc}"
+
+
+cupy, REASON = _cupy_or_reason()
+if cupy is None:
+    if os.environ.get("ZERO1_REQUIRE_GPU") == "1":
+        raise RuntimeError(f"ZERO1_REQUIRE_GPU=1 but {REASON}")
+    pytestmark = pytest.mark.skip(reason=REASON)
+
+
+@pytest.mark.parametrize("dtype_name", list(PARAM_DTYPES))
+@pytest.mark.parametrize("decoupled, weight_decay", [(False, 0.0), (False, 0.1), (True, 0.1)])
+def test_cupy_kernel_matches_numpy_twin(dtype_name, decoupled, weight_decay):
+    dtype = PARAM_DTYPES[dtype_name]
+    n = 100_003
+    rng = np.random.default_rng(1)
+    host = {"master": rng.standard_normal(n).astype(np.float32),
+            "m": np.zeros(n, np.float32), "v": np.zeros(n, np.float32)}
+    host["param"] = host["master"].astype(dtype) if dtype != np.float32 else None
+    dev = {k: None if a is None else cupy.asarray(a) for k, a in host.items()}
+    for step in range(1, 11):
+        grad = rng.standard_normal(n).astype(dtype)
+        s = AdamScalars.for_step(step, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                                 weight_decay=weight_decay, decoupled=decoupled,
+                                 grad_scale=0.5)
+        NumpyAdam()(grad, host["master"], host["m"], host["v"], host["param"], s)
+        CupyAdam()(cupy.asarray(grad), dev["master"], dev["m"], dev["v"], dev["param"], s)
+    assert max_rel_err(dev["master"].get(), host["master"]) <= 1e-6
+    assert max_rel_err(dev["v"].get(), host["v"]) <= 1e-5
+    if dtype != np.float32:
+        assert max_ulp_diff(dev["param"].get(), host["param"]) <= 1
+
+
+@pytest.mark.parametrize("cuda_aware", [False, True])
+def test_cupy_buffers_through_the_communicator(cuda_aware):
+    if cuda_aware and not Communicator(MPI.COMM_SELF).cuda_aware:
+        pytest.skip("this MPI is not CUDA-aware (set ZERO1_MPI_CUDA_AWARE=1 if it is)")
+    comm = Communicator(MPI.COMM_SELF, cuda_aware=cuda_aware)
+    for dtype in PARAM_DTYPES.values():
+        buf = cupy.arange(12, dtype=np.float32).astype(dtype)
+        recv = cupy.empty_like(buf)
+        comm.alltoall(buf, recv)
+        assert bool((recv == buf).all())
+        comm.allgather_inplace(buf)
+        comm.bcast(buf)
+        assert bool((buf == cupy.arange(12, dtype=np.float32).astype(dtype)).all())
+    assert (comm.staging_bytes > 0) is (not cuda_aware)
+
+
+def test_optimizer_on_cupy_arrays_keeps_views_on_the_gpu():
+    params = {"w": cupy.ones((3, 5), np.float32), "b": cupy.zeros(5, np.float32)}
+    opt = ZeroAdamW(params, MPI.COMM_SELF, lr=0.1, param_dtype="bfloat16")
+    assert opt.backend == "cupy" and isinstance(opt.params["w"], cupy.ndarray)
+    opt.grads["w"][...] = 1
+    opt.step()
+    assert cupy.shares_memory(opt.params["w"], opt._params)
+    assert abs(float(opt.params["w"][0, 0]) - (1 - 0.1 * 0.01 - 0.1)) < 1e-2
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_parity_on_cupy_arrays(n):
+    out = run_mpi(n, "parity.py", "cupy", timeout=300).stdout
+    assert f"on {n} ranks (cupy)" in out

@@ -1,0 +1,91 @@
+"""The layout is pure data: equal aligned shards, tensors packed without overlap, fingerprints."""
+
+import math
+
+import pytest
+
+from zero1_mpi.layout import build_layout
+
+AWKWARD = {"scalar": (), "empty": (0, 3), "one": (1,), "vec": (7,), "mat": (5, 13)}
+
+
+def check_invariants(layout):
+    world = layout.world_size
+    position = 0
+    for bucket in layout.buckets:
+        assert bucket.offset == position
+        assert bucket.size % (world * layout.align) == 0 and bucket.size >= bucket.used
+        shards = [bucket.shard(r) for r in range(world)]
+        assert shards[0][0] == bucket.offset and shards[-1][1] == bucket.offset + bucket.size
+        assert all(stop - start == bucket.shard_size for start, stop in shards)
+        assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+        assert sum(bucket.owned_real(r) for r in range(world)) == bucket.used
+        tensors = layout.bucket_tensors(bucket)
+        assert sum(t.numel for t in tensors) == bucket.used
+        for t in tensors:  # packed from the bucket's start, never past its real part
+            assert t.offset == position and t.numel == math.prod(t.shape)
+            position += t.numel
+        position = bucket.offset + bucket.size
+    assert position == layout.total
+    assert sum(layout.owned_real(r) for r in range(world)) == layout.numel
+    assert layout.shard_total * world == layout.total
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("bucket_elements", [1, 10, 50, 1 << 24])
+def test_awkward_shapes_give_equal_shards(world, bucket_elements):
+    layout = build_layout(AWKWARD, world, "float32", bucket_elements=bucket_elements)
+    check_invariants(layout)
+    assert layout.numel == 0 + 1 + 1 + 7 + 65
+
+
+def test_fewer_elements_than_ranks():
+    layout = build_layout({"s": ()}, 4, "float16")
+    check_invariants(layout)
+    assert layout.numel == 1 and layout.total == 4 * 64
+    assert [layout.owned_real(r) for r in range(4)] == [1, 0, 0, 0]
+
+
+def test_thousands_of_small_tensors_and_buckets():
+    shapes = {f"t{i}": (1 + i % 5,) for i in range(5000)}
+    layout = build_layout(shapes, 3, "bfloat16", bucket_elements=1000)
+    check_invariants(layout)
+    assert layout.numel == sum(1 + i % 5 for i in range(5000))
+    # greedy packing: every bucket but the last is full up to less than one tensor (<= 5)
+    assert all(b.used > 1000 - 5 for b in layout.buckets[:-1])
+    assert all(b.used <= 1000 for b in layout.buckets)
+
+
+def test_a_tensor_larger_than_a_bucket_gets_its_own():
+    layout = build_layout({"a": (3,), "big": (100,), "c": (2,)}, 2, "float32", bucket_elements=10)
+    check_invariants(layout)
+    assert [b.used for b in layout.buckets] == [3, 100, 2]
+
+
+def test_padding_is_the_rest_of_each_bucket():
+    layout = build_layout({"w": (130,)}, 2, "float32", align=64)
+    assert layout.total == 256 and layout.padding == 126
+    assert [layout.owned_real(r) for r in range(2)] == [128, 2]
+
+
+def test_fingerprint_changes_with_anything_that_must_agree():
+    base = build_layout(AWKWARD, 2, "float32")
+    assert base.fingerprint == build_layout(dict(AWKWARD), 2, "float32").fingerprint
+    others = [build_layout({**AWKWARD, "vec": (8,)}, 2, "float32"),
+              build_layout(dict(reversed(AWKWARD.items())), 2, "float32"),
+              build_layout(AWKWARD, 3, "float32"),
+              build_layout(AWKWARD, 2, "float16"),
+              build_layout(AWKWARD, 2, "float32", bucket_elements=10),
+              build_layout({**AWKWARD, "extra": ()}, 2, "float32")]
+    assert len({base.fingerprint, *(o.fingerprint for o in others)}) == len(others) + 1
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"world_size": 0}, "world_size=0"),
+    ({"bucket_elements": 0}, "bucket_elements=0"),
+    ({"align": -1}, "align=-1"),
+])
+def test_bad_arguments_name_the_value(kwargs, words):
+    args = {"world_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=words):
+        build_layout(AWKWARD, args.pop("world_size"), "float32", **args)
