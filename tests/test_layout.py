@@ -10,22 +10,26 @@ AWKWARD = {"scalar": (), "empty": (0, 3), "one": (1,), "vec": (7,), "mat": (5, 1
 
 
 def check_invariants(layout):
-    world = layout.world_size
+    world, quantum = layout.world_size, layout.world_size * layout.align
+    position = 0
+    for t in layout.tensors:  # packed back to back, in order, from 0
+        assert t.offset == position and t.numel == math.prod(t.shape)
+        position += t.numel
+    assert position == layout.numel
+    assert 0 <= layout.padding < quantum and layout.total % quantum == 0
     position = 0
     for bucket in layout.buckets:
-        assert bucket.offset == position
-        assert bucket.size % (world * layout.align) == 0 and bucket.size >= bucket.used
+        assert bucket.offset == position and bucket.size % quantum == 0
+        assert bucket.used == max(0, min(bucket.size, layout.numel - bucket.offset))
         shards = [bucket.shard(r) for r in range(world)]
         assert shards[0][0] == bucket.offset and shards[-1][1] == bucket.offset + bucket.size
         assert all(stop - start == bucket.shard_size for start, stop in shards)
         assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
         assert sum(bucket.owned_real(r) for r in range(world)) == bucket.used
-        tensors = layout.bucket_tensors(bucket)
-        assert sum(t.numel for t in tensors) == bucket.used
-        for t in tensors:  # packed from the bucket's start, never past its real part
-            assert t.offset == position and t.numel == math.prod(t.shape)
-            position += t.numel
-        position = bucket.offset + bucket.size
+        covered = sum(hi - lo for _, lo, hi in layout.pieces(bucket.offset,
+                                                              bucket.offset + bucket.size))
+        assert covered == bucket.used
+        position += bucket.size
     assert position == layout.total
     assert sum(layout.owned_real(r) for r in range(world)) == layout.numel
     assert layout.shard_total * world == layout.total
@@ -51,18 +55,23 @@ def test_thousands_of_small_tensors_and_buckets():
     layout = build_layout(shapes, 3, "bfloat16", bucket_elements=1000)
     check_invariants(layout)
     assert layout.numel == sum(1 + i % 5 for i in range(5000))
-    # greedy packing: every bucket but the last is full up to less than one tensor (<= 5)
-    assert all(b.used > 1000 - 5 for b in layout.buckets[:-1])
-    assert all(b.used <= 1000 for b in layout.buckets)
+    bucket = math.ceil(1000 / 192) * 192  # rounded up to whole quanta of 3 ranks x 64
+    assert [b.size for b in layout.buckets[:-1]] == [bucket] * (len(layout.buckets) - 1)
+    assert len(layout.buckets) == math.ceil(layout.total / bucket)
 
 
-def test_a_tensor_larger_than_a_bucket_gets_its_own():
-    layout = build_layout({"a": (3,), "big": (100,), "c": (2,)}, 2, "float32", bucket_elements=10)
+def test_tensors_straddle_buckets_so_scratch_is_bounded():
+    layout = build_layout({"a": (3,), "big": (1000,), "c": (2,)}, 2, "float32",
+                          bucket_elements=128)
     check_invariants(layout)
-    assert [b.used for b in layout.buckets] == [3, 100, 2]
+    assert max(b.size for b in layout.buckets) == 128 and layout.total == 1024
+    big = [(lo, hi) for t, lo, hi in layout.pieces(0, layout.total) if t.name == "big"]
+    assert big == [(3, 1003)]
+    assert [(t.name, lo, hi) for t, lo, hi in layout.pieces(896, 1024)] == [
+        ("big", 896, 1003), ("c", 1003, 1005)]
 
 
-def test_padding_is_the_rest_of_each_bucket():
+def test_padding_is_only_at_the_end():
     layout = build_layout({"w": (130,)}, 2, "float32", align=64)
     assert layout.total == 256 and layout.padding == 126
     assert [layout.owned_real(r) for r in range(2)] == [128, 2]
@@ -75,7 +84,8 @@ def test_fingerprint_changes_with_anything_that_must_agree():
               build_layout(dict(reversed(AWKWARD.items())), 2, "float32"),
               build_layout(AWKWARD, 3, "float32"),
               build_layout(AWKWARD, 2, "float16"),
-              build_layout(AWKWARD, 2, "float32", bucket_elements=10),
+              build_layout(AWKWARD, 2, "float32", align=8),
+              build_layout(AWKWARD, 2, "float32", align=8, bucket_elements=16),
               build_layout({**AWKWARD, "extra": ()}, 2, "float32")]
     assert len({base.fingerprint, *(o.fingerprint for o in others)}) == len(others) + 1
 

@@ -1,10 +1,13 @@
 """Where every tensor lives in the flat buffers, and which slice each rank owns.
 
-Pure data: no arrays, no MPI. Tensors are packed in order into buckets (the unit of
-communication). Each bucket is padded to a multiple of ``world_size * align`` elements and cut
+Pure data: no arrays, no MPI. Tensors are packed back to back, in order, into one flat range,
+padded at the end to a multiple of ``world_size * align`` elements. The range is cut into
+buckets (the unit of communication) whose sizes are multiples of that quantum, and each bucket
 into ``world_size`` equal contiguous shards, so one count serves every rank in
-``Reduce_scatter_block`` / ``Allgather``. A tensor never straddles buckets but may straddle
-shards. ``Layout.fingerprint`` lets ranks check that they built the same layout.
+``Reduce_scatter_block`` / ``Allgather``. Tensors may straddle shards and buckets (as in
+Megatron-LM and DeepSpeed), so the padding stays below one quantum and the communication scratch
+is bounded by the bucket size, whatever the tensor sizes. ``Layout.fingerprint`` lets ranks
+check that they built the same layout.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from dataclasses import dataclass
 
 #: Shards are whole multiples of this many elements (aligned, vector-friendly).
 DEFAULT_ALIGN = 64
-#: Default upper bound of a bucket, in elements (16-bit: 32 MiB of gradients per bucket).
-DEFAULT_BUCKET_ELEMENTS = 1 << 24
+#: Default bucket size, in elements (4M: 8 MiB of 16-bit gradients; tools/comm_bench.py).
+DEFAULT_BUCKET_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,6 @@ class TensorSlot:
     shape: tuple[int, ...]
     offset: int
     numel: int
-    bucket: int
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,12 @@ class Layout:
         """Elements one rank owns over all buckets (padding included); equal on every rank."""
         return self.total // self.world_size
 
-    def bucket_tensors(self, bucket: Bucket) -> list[TensorSlot]:
-        return [t for t in self.tensors if t.bucket == bucket.index]
+    def pieces(self, start: int, stop: int):
+        """``(tensor, lo, hi)`` for each tensor overlapping flat ``[start, stop)``, clipped."""
+        for t in self.tensors:
+            lo, hi = max(start, t.offset), min(stop, t.offset + t.numel)
+            if lo < hi:
+                yield t, lo, hi
 
     def owned_real(self, rank: int) -> int:
         return sum(b.owned_real(rank) for b in self.buckets)
@@ -92,7 +98,7 @@ class Layout:
     def fingerprint(self) -> str:
         """A digest of everything that must agree across ranks before the first collective."""
         text = repr((self.world_size, self.align, self.dtype,
-                     [(t.name, t.shape, t.offset, t.bucket) for t in self.tensors],
+                     [(t.name, t.shape, t.offset) for t in self.tensors],
                      [(b.offset, b.used, b.size) for b in self.buckets]))
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -100,7 +106,7 @@ class Layout:
 def build_layout(shapes, world_size: int, dtype: str, *,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
                  align: int = DEFAULT_ALIGN) -> Layout:
-    """Pack ``shapes`` (an ordered mapping name -> shape) into padded, sharded buckets."""
+    """Pack ``shapes`` (an ordered mapping name -> shape) into a padded, bucketed flat range."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     if not isinstance(bucket_elements, int) or bucket_elements < 1:
@@ -110,23 +116,14 @@ def build_layout(shapes, world_size: int, dtype: str, *,
         raise ValueError(f"align={align!r} must be a positive integer (default {DEFAULT_ALIGN})")
     quantum = world_size * align
 
-    tensors: list[TensorSlot] = []
-    buckets: list[Bucket] = []
-    bucket_start = used = 0
-
-    def close_bucket():
-        nonlocal bucket_start, used
-        size = max(quantum, math.ceil(used / quantum) * quantum)
-        buckets.append(Bucket(len(buckets), bucket_start, used, size, world_size))
-        bucket_start += size
-        used = 0
-
+    tensors, offset = [], 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
-        if used and used + numel > bucket_elements:
-            close_bucket()
-        tensors.append(TensorSlot(name, tuple(shape), bucket_start + used, numel, len(buckets)))
-        used += numel
-    if used or not buckets:
-        close_bucket()
-    return Layout(tuple(tensors), tuple(buckets), world_size, align, dtype)
+        tensors.append(TensorSlot(name, tuple(shape), offset, numel))
+        offset += numel
+    total = max(1, math.ceil(offset / quantum)) * quantum
+    bucket_size = math.ceil(bucket_elements / quantum) * quantum
+    buckets = tuple(Bucket(index, start, max(0, min(offset - start, size)), size, world_size)
+                    for index, start in enumerate(range(0, total, bucket_size))
+                    for size in [min(bucket_size, total - start)])
+    return Layout(tuple(tensors), buckets, world_size, align, dtype)

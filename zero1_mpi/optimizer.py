@@ -169,9 +169,10 @@ class ZeroAdam:
             span = slice(bucket.offset, bucket.offset + bucket.size)
             target = staging[:bucket.size] if self._mixed else self._params[span]
             if self.rank == 0:
-                for t in layout.bucket_tensors(bucket):
-                    local = slice(t.offset - bucket.offset, t.offset - bucket.offset + t.numel)
-                    target[local] = xp.asarray(params[t.name]).reshape(-1)
+                for t, lo, hi in layout.pieces(bucket.offset, bucket.offset + bucket.size):
+                    values = xp.asarray(params[t.name]).reshape(-1)
+                    target[lo - bucket.offset:hi - bucket.offset] = values[lo - t.offset:
+                                                                           hi - t.offset]
             self.comm.bcast(target)
             if self._mixed:
                 self._params[span] = target.astype(self.param_dtype)

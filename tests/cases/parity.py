@@ -24,7 +24,8 @@ AWKWARD = {"scalar": (), "empty": (0, 3), "one": (1,), "vec": (7,), "mat": (5, 1
            "cube": (3, 1, 7), "wide": (2, 129)}
 LAYOUTS = {
     "awkward": (AWKWARD, {}),
-    "awkward-buckets": (AWKWARD, {"bucket_elements": 40}),
+    # Buckets of one quantum (64 x ranks): tensors straddle shards and buckets.
+    "awkward-buckets": ({**AWKWARD, "long": (700,)}, {"bucket_elements": 1}),
     "fewer-than-ranks": ({"s": ()}, {}),
     "thousands": ({f"t{i}": (1 + i % 5,) for i in range(2000)}, {"bucket_elements": 1500}),
 }
