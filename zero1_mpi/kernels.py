@@ -51,9 +51,13 @@ class NumpyAdam:
     """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
 
     def __init__(self, chunk: int = NUMPY_CHUNK):
-        self.chunk = chunk
-        self._g = np.empty(chunk, np.float32)
-        self._t = np.empty(chunk, np.float32)
+        self.chunk = max(1, chunk)
+        self._g = np.empty(self.chunk, np.float32)
+        self._t = np.empty(self.chunk, np.float32)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._g.nbytes + self._t.nbytes
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         for start in range(0, master.size, self.chunk):
@@ -121,6 +125,8 @@ def _cuda_kernel(kind: str):
 class CupyAdam:
     """The CuPy twin: one fused kernel launch per shard range, queued on the current stream."""
 
+    scratch_bytes = 0
+
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         scalars = tuple(np.float32(x) for x in (s.grad_scale, s.beta1, s.beta2, s.eps, s.l2,
                                                 s.decay, s.step_size, s.bc2_sqrt))
@@ -131,6 +137,7 @@ class CupyAdam:
             _cuda_kernel("mixed")(*args, master, exp_avg, exp_avg_sq, param)
 
 
-def make_adam(backend_name: str):
-    """The fused update for ``backend_name`` (``"numpy"`` or ``"cupy"``)."""
-    return CupyAdam() if backend_name == "cupy" else NumpyAdam()
+def make_adam(backend_name: str, largest: int = NUMPY_CHUNK):
+    """The fused update for ``backend_name`` (``"numpy"`` or ``"cupy"``); ``largest`` is the
+    most elements one call will see (it caps the NumPy scratch)."""
+    return CupyAdam() if backend_name == "cupy" else NumpyAdam(min(NUMPY_CHUNK, largest))

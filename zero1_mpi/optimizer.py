@@ -94,7 +94,7 @@ class ZeroAdam:
         self._reduced = xp.empty(largest_shard, reduced_dtype) if size > 1 else None
         self._received = (xp.empty(max(b.size for b in layout.buckets), dtype)
                           if self._exchange_16bit and size > 1 else None)
-        self._adam = make_adam(backend_name)
+        self._adam = make_adam(backend_name, largest_shard)
         self._load_initial_values(params)
 
     # -- public API --------------------------------------------------------------------------
@@ -150,7 +150,7 @@ class ZeroAdam:
                 "exp_avg_sq": owned * FP32.itemsize}
         scratch = [self._reduced, self._received]
         scratch_bytes = (sum(a.nbytes for a in scratch if a is not None)
-                         + self.comm.staging_bytes + getattr(self._adam, "scratch_bytes", 0))
+                         + self.comm.staging_bytes + self._adam.scratch_bytes)
         return MemoryReport(**real, padding=held - sum(real.values()),
                             comm_scratch=scratch_bytes, psi=psi, world_size=self.world_size,
                             rank=self.rank, param_dtype=self.param_dtype.name)
