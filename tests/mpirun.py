@@ -31,11 +31,12 @@ def mpiexec_command(n: int) -> list[str]:
 
 def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool = True,
             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``tests/cases/<script>`` on ``n`` ranks; fail the test on timeout or (with check) error."""
+    """Run ``tests/cases/<script>`` on ``n`` ranks; fail the test on timeout or (check) error."""
     cmd = [*mpiexec_command(n), sys.executable, "-m", "mpi4py", str(CASES / script), *args]
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]), "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, start_new_session=True)
     try:

@@ -3,16 +3,11 @@
 import importlib.util
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import zero1_mpi.memory  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(ROOT))
 from zero1_mpi.memory import (MemoryReport, baseline_bytes, format_param_count, format_table,
                               parse_param_count, stage1_bytes, stage1_fp32_bytes, stage2_bytes,
                               stage3_bytes)

@@ -52,7 +52,7 @@ class ZeroAdam:
                  cuda_aware=None):
         self.comm = (comm if isinstance(comm, Communicator)
                      else Communicator(comm, cuda_aware=cuda_aware))
-        rank, size = self.comm.rank, self.comm.size
+        size = self.comm.size
 
         try:
             dtype, backend_name = _check_params(params, param_dtype)
@@ -237,8 +237,9 @@ def _check_params(params, param_dtype):
                         "all on the GPU")
     if param_dtype is None:
         if len(dtypes) > 1:
-            raise ValueError(f"params have several dtypes ({', '.join(sorted(d.name for d in dtypes))}): "
-                             "pass param_dtype='float32', 'float16' or 'bfloat16'")
+            names = ", ".join(sorted(d.name for d in dtypes))
+            raise ValueError(f"params have several dtypes ({names}): pass "
+                             "param_dtype='float32', 'float16' or 'bfloat16'")
         (param_dtype,) = dtypes
         if param_dtype.name not in backend.PARAM_DTYPES:
             raise ValueError(f"params have dtype {param_dtype.name}, which is not a parameter "

@@ -95,7 +95,21 @@ def check_optimizer_through_staging():
         assert np.array_equal(direct.view(np.uint8), staged.view(np.uint8))
 
 
+def check_float16_reduction_in_mpi():
+    """reduce_dtype="float16" sums in MPI's fp16; with sums exact in fp16 it equals float32."""
+    results = []
+    for reduce_dtype in ("float32", "float16"):
+        opt = ZeroAdam({"w": np.linspace(-1, 1, 333, dtype=np.float32)}, world, lr=0.1,
+                       param_dtype="float16", reduce_dtype=reduce_dtype, bucket_elements=100)
+        for step in range(3):
+            opt.grads["w"][...] = exact_values(333, rank + step, np.float16)
+            opt.step()
+        results.append(opt._params.copy())
+    assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16))
+
+
 def main():
+    check_float16_reduction_in_mpi()
     for stage_host in (False, True):
         comm = Communicator(world, stage_host=stage_host)
         check_collectives(comm)
