@@ -130,7 +130,7 @@ class Communicator:
             self.comm.Reduce_scatter_block([host_send, mpi_type], [host_recv, mpi_type], MPI.SUM)
 
     def alltoall(self, send, recv) -> None:
-        """Block ``j`` of ``send`` goes to rank ``j``; block ``i`` of ``recv`` is from rank ``i``."""
+        """Send block ``j`` of ``send`` to rank ``j``; receive block ``i`` from rank ``i``."""
         with self._host_view(send, "a2a_send", copy_out=False) as host_send, \
                 self._host_view(recv, "a2a_recv", copy_in=False) as host_recv:
             self.comm.Alltoall([_bytes(host_send), MPI.BYTE], [_bytes(host_recv), MPI.BYTE])
