@@ -25,6 +25,8 @@ def check_invariants(layout):
         assert shards[0][0] == bucket.offset and shards[-1][1] == bucket.offset + bucket.size
         assert all(stop - start == bucket.shard_size for start, stop in shards)
         assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+        assert bucket.state.start == position // world  # state arrays: shards back to back
+        assert bucket.state.stop - bucket.state.start == bucket.shard_size
         assert sum(bucket.owned_real(r) for r in range(world)) == bucket.used
         covered = sum(hi - lo for _, lo, hi in layout.pieces(bucket.offset,
                                                               bucket.offset + bucket.size))

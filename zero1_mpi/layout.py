@@ -46,6 +46,12 @@ class Bucket:
     def shard_size(self) -> int:
         return self.size // self.world_size
 
+    @property
+    def state(self) -> slice:
+        """Where this bucket's shard lives in a rank's shard-sized (optimizer state) arrays."""
+        start = self.offset // self.world_size
+        return slice(start, start + self.shard_size)
+
     def shard(self, rank: int) -> tuple[int, int]:
         """Flat ``(start, stop)`` of the slice of this bucket that ``rank`` owns."""
         start = self.offset + rank * self.shard_size

@@ -126,8 +126,7 @@ class ZeroAdam:
         for bucket in self.layout.buckets:
             reduced = self._reduce_gradients(bucket)
             lo, hi = bucket.shard(self.rank)
-            state = slice(bucket.offset // self.world_size,
-                          bucket.offset // self.world_size + bucket.shard_size)
+            state = bucket.state
             if self._mixed:
                 self._adam(reduced, self._master[state], self._exp_avg[state],
                            self._exp_avg_sq[state], self._params[lo:hi], scalars)
@@ -177,9 +176,7 @@ class ZeroAdam:
             if self._mixed:
                 self._params[span] = target.astype(self.param_dtype)
                 lo, hi = bucket.shard(self.rank)
-                state = bucket.offset // self.world_size
-                self._master[state:state + bucket.shard_size] = target[lo - bucket.offset:
-                                                                       hi - bucket.offset]
+                self._master[bucket.state] = target[lo - bucket.offset:hi - bucket.offset]
 
     def _reduce_gradients(self, bucket):
         """This rank's shard of the bucket's gradients, summed over ranks."""
