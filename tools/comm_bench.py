@@ -52,16 +52,18 @@ def bench_size(comm, n, repeat):
     grads16 = grads32.astype(np.float16)
     params16 = np.zeros(n, np.float16)
     allreduced = np.empty_like(grads32)
-    reduced32, reduced16 = np.empty(shard, np.float32), np.empty(shard, np.float16)
+    reduced32 = np.empty(shard, np.float32)
     received = np.empty(n, np.float16)
-    upcast = np.empty(n, np.float32)
+    upcast, work32 = np.empty(n, np.float32), np.empty(n, np.float32)
+    work16 = np.empty_like(grads16)
     params32 = np.zeros(n, np.float32)
 
     def allreduce():
         comm.comm.Allreduce(grads32, allreduced, op=MPI.SUM)
 
     def fp32_rs_ag():
-        comm.reduce_scatter_sum(grads32, reduced32)
+        work32[...] = grads32  # the optimizer reduces in place, consuming its gradients
+        comm.reduce_scatter_sum(work32)
         comm.allgather_inplace(params32)
 
     def alltoall_fp32_sum():
@@ -74,11 +76,12 @@ def bench_size(comm, n, repeat):
 
     def upcast_rs():
         upcast[...] = grads16
-        comm.reduce_scatter_sum(upcast, reduced32)
+        comm.reduce_scatter_sum(upcast)
         comm.allgather_inplace(params16)
 
     def fp16_rs():
-        comm.reduce_scatter_sum(grads16, reduced16)
+        work16[...] = grads16
+        comm.reduce_scatter_sum(work16)
         comm.allgather_inplace(params16)
 
     return {name: timed(comm, fn, repeat) for name, fn in [

@@ -122,12 +122,17 @@ class Communicator:
         with self._host_view(buf, "bcast") as host:
             self.comm.Bcast([_bytes(host), MPI.BYTE], root=root)
 
-    def reduce_scatter_sum(self, send, recv) -> None:
-        """``recv`` (len(send) / size elements) = this rank's block of the sum of ``send``."""
-        mpi_type = _reduce_type(send.dtype)
-        with self._host_view(send, "rs_send", copy_out=False) as host_send, \
-                self._host_view(recv, "rs_recv", copy_in=False) as host_recv:
-            self.comm.Reduce_scatter_block([host_send, mpi_type], [host_recv, mpi_type], MPI.SUM)
+    def reduce_scatter_sum(self, buf) -> None:
+        """In place: afterwards ``buf[:len(buf) // size]`` is this rank's block of the sum."""
+        mpi_type = _reduce_type(buf.dtype)
+        with self._host_view(buf, "reduce_scatter") as host:
+            self.comm.Reduce_scatter_block(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
+
+    def allreduce_sum(self, values) -> np.ndarray:
+        """Element-wise float64 sum of a few host numbers over ranks (inf/nan propagate)."""
+        values = np.array(values, dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, values, MPI.SUM)
+        return values
 
     def alltoall(self, send, recv) -> None:
         """Send block ``j`` of ``send`` to rank ``j``; receive block ``i`` from rank ``i``."""

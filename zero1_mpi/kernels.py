@@ -59,6 +59,17 @@ class NumpyAdam:
     def scratch_bytes(self) -> int:
         return self._g.nbytes + self._t.nbytes
 
+    def sum_of_squares(self, x) -> float:
+        """Sum of ``x**2`` in fp32 chunks, accumulated in float64; inf/nan propagate."""
+        total = 0.0
+        for start in range(0, x.size, self.chunk):
+            chunk = x[start:start + self.chunk]
+            if chunk.dtype != np.float32:
+                chunk = self._g[:chunk.size]
+                np.copyto(chunk, x[start:start + self.chunk], casting="unsafe")
+            total += float(np.dot(chunk, chunk))
+        return total
+
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         for start in range(0, master.size, self.chunk):
             stop = min(start + self.chunk, master.size)
@@ -122,10 +133,23 @@ def _cuda_kernel(kind: str):
     return _cuda_kernels[kind]
 
 
+_sum_of_squares_kernel = None
+
+
 class CupyAdam:
     """The CuPy twin: one fused kernel launch per shard range, queued on the current stream."""
 
     scratch_bytes = 0
+
+    def sum_of_squares(self, x):
+        """Sum of ``x**2`` accumulated in float64, as a 0-d device array (no host sync)."""
+        global _sum_of_squares_kernel
+        if _sum_of_squares_kernel is None:
+            cupy = backend.xp_for("cupy")
+            _sum_of_squares_kernel = cupy.ReductionKernel(
+                "T x", "float64 total", "(double)(float)x * (double)(float)x", "a + b",
+                "total = a", "0", "zero1_sum_of_squares")
+        return _sum_of_squares_kernel(x)
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         scalars = tuple(np.float32(x) for x in (s.grad_scale, s.beta1, s.beta2, s.eps, s.l2,

@@ -70,6 +70,8 @@ class Layout:
     world_size: int
     align: int
     dtype: str
+    #: Flat ``(start, stop)`` of each param group: consecutive, covering ``[0, total)``.
+    groups: tuple[tuple[int, int], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -105,14 +107,17 @@ class Layout:
         """A digest of everything that must agree across ranks before the first collective."""
         text = repr((self.world_size, self.align, self.dtype,
                      [(t.name, t.shape, t.offset) for t in self.tensors],
-                     [(b.offset, b.used, b.size) for b in self.buckets]))
+                     [(b.offset, b.used, b.size) for b in self.buckets], self.groups))
         return hashlib.sha256(text.encode()).hexdigest()
 
 
 def build_layout(shapes, world_size: int, dtype: str, *,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
-                 align: int = DEFAULT_ALIGN) -> Layout:
-    """Pack ``shapes`` (an ordered mapping name -> shape) into a padded, bucketed flat range."""
+                 align: int = DEFAULT_ALIGN, group_sizes=None) -> Layout:
+    """Pack ``shapes`` (an ordered mapping name -> shape) into a padded, bucketed flat range.
+
+    ``group_sizes`` counts the tensors of each param group, in order (default: one group).
+    """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive integer")
     if not isinstance(bucket_elements, int) or bucket_elements < 1:
@@ -132,4 +137,13 @@ def build_layout(shapes, world_size: int, dtype: str, *,
     buckets = tuple(Bucket(index, start, max(0, min(offset - start, size)), size, world_size)
                     for index, start in enumerate(range(0, total, bucket_size))
                     for size in [min(bucket_size, total - start)])
-    return Layout(tuple(tensors), buckets, world_size, align, dtype)
+    group_sizes = [len(tensors)] if group_sizes is None else list(group_sizes)
+    if sum(group_sizes) != len(tensors) or min(group_sizes, default=0) < 0:
+        raise ValueError(f"group_sizes={group_sizes!r} must count the {len(tensors)} tensors")
+    bounds, first = [0], 0
+    for count in group_sizes[:-1]:
+        first += count
+        bounds.append(tensors[first].offset if first < len(tensors) else offset)
+    bounds.append(total)  # the padding belongs to the last group
+    groups = tuple(zip(bounds[:-1], bounds[1:]))
+    return Layout(tuple(tensors), buckets, world_size, align, dtype, groups)

@@ -2,9 +2,11 @@
 
 Every rank holds the full parameters and gradients (flat buffers; the model sees named views)
 and fp32 master weights, ``exp_avg`` and ``exp_avg_sq`` for its own shard only. ``step()``
-averages the gradients with a reduce-scatter, runs the fused Adam kernel on the owned shard and
-all-gathers the updated parameters. The result equals one process running ``torch.optim.Adam``
-(or ``AdamW``) on the gradients averaged over ranks.
+reduces the gradients to each rank's shard (in the gradient buffer itself), agrees on the global
+gradient norm and on overflow in one small ``Allreduce``, runs the fused Adam kernel on the
+owned shard (unscaling and clipping folded into its gradient factor) and all-gathers the updated
+parameters. The result equals one process running ``torch.optim.Adam`` (or ``AdamW``), with
+``clip_grad_norm_``, on the gradients averaged over ranks.
 
 The constructor and ``step()`` must be called on all ranks of the communicator. Input errors
 are detected before the first collective and raised on every rank.
@@ -13,7 +15,7 @@ are detected before the first collective and raised on every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
@@ -23,57 +25,83 @@ from .comm import CollectiveError, Communicator
 from .kernels import AdamScalars, make_adam
 from .layout import DEFAULT_BUCKET_ELEMENTS, build_layout
 from .memory import MemoryReport
+from .params import (GROUP_OPTIONS, check_arrays, check_hyperparameters, check_max_grad_norm,
+                     check_reduce_dtype, normalize_groups)
+from .scaler import LossScaler
 
 FP32 = np.dtype(np.float32)
-REDUCE_DTYPES = ("float32", "float16")
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one ``step()`` did."""
+
+    grad_norm: float       # global L2 norm of the averaged, unscaled gradient, before clipping
+    skipped: bool          # True when the gradients overflowed and nothing was updated
+    loss_scale: float      # the scale the gradients of this step were multiplied by
+    clip_coef: float       # the factor clipping applied (1.0 when it did not clip)
+    step: int              # optimizer steps taken so far (skipped ones not counted)
 
 
 class ZeroAdam:
     """Adam (``torch.optim.Adam`` semantics) with optimizer state sharded over MPI ranks.
 
     Args:
-        params: mapping name -> NumPy or CuPy array (initial values; rank 0's are broadcast).
+        params: mapping name -> NumPy or CuPy array (initial values; rank 0's are broadcast),
+            or a list of param groups ``{"params": {name: array}, "lr": ..., ...}``.
         comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None), or a
             ``zero1_mpi.Communicator`` built from one.
-        lr, betas, eps, weight_decay: as in ``torch.optim.Adam``.
+        lr, betas, eps, weight_decay: as in ``torch.optim.Adam``; defaults for the groups.
         decoupled_weight_decay: AdamW's decay (``p *= 1 - lr * wd``) instead of L2.
         param_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``; default: the arrays' dtype.
+        loss_scale: None (no scaling), a number (fixed), ``"dynamic"``, or a ``LossScaler``.
+            The loss must be multiplied by ``opt.loss_scale`` before backward.
+        max_grad_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         reduce_dtype: precision of the gradient sum over ranks. ``"float32"`` (default) sums
             in fp32: fp32 gradients with ``Reduce_scatter_block``, 16-bit ones exchanged with
             ``Alltoall`` and summed locally in fp32 in rank order (exact, deterministic).
             ``"float16"`` (float16 gradients only) sums in MPI's float16 reduction.
-        bucket_elements: upper bound of a communication bucket, in elements.
+        bucket_elements: size of a communication bucket, in elements.
         cuda_aware: whether MPI takes GPU buffers; None asks the environment and MPI.
     """
 
     def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, *, decoupled_weight_decay=False, param_dtype=None,
-                 reduce_dtype="float32", bucket_elements=DEFAULT_BUCKET_ELEMENTS,
-                 cuda_aware=None):
+                 loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
+                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None):
         self.comm = (comm if isinstance(comm, Communicator)
                      else Communicator(comm, cuda_aware=cuda_aware))
         size = self.comm.size
 
+        error, error_type = None, ValueError
         try:
-            dtype, backend_name = _check_params(params, param_dtype)
-            group = _check_hyperparameters(lr, betas, eps, weight_decay)
-            reduce_dtype = _check_reduce_dtype(reduce_dtype, dtype)
-            layout = build_layout({name: tuple(a.shape) for name, a in params.items()}, size,
-                                  dtype.name, bucket_elements=bucket_elements)
-            error = None
+            defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+            groups, arrays = normalize_groups(params, defaults)
+            dtype, backend_name = check_arrays(arrays, param_dtype)
+            reduce_dtype = check_reduce_dtype(reduce_dtype, dtype)
+            max_grad_norm = check_max_grad_norm(max_grad_norm)
+            scaler = LossScaler.from_option(loss_scale)
+            layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()}, size,
+                                  dtype.name, bucket_elements=bucket_elements,
+                                  group_sizes=[len(g["names"]) for g in groups])
         except (TypeError, ValueError) as exc:
             error, error_type = str(exc), type(exc)
-        self.comm.agree(error, error_type if error else ValueError)
+        self.comm.agree(error, error_type)
         _check_layouts_agree(self.comm, layout)
-        self.comm.check_same((backend_name, sorted(group.items()), decoupled_weight_decay,
-                              reduce_dtype), "the backend, hyperparameters or reduce_dtype",
-                             "construct the optimizer with the same arguments on every rank")
+        self.comm.check_same(
+            (backend_name, [sorted(g.items()) for g in groups], bool(decoupled_weight_decay),
+             reduce_dtype, max_grad_norm, sorted(scaler.state().items())),
+            "the backend, param groups, hyperparameters, loss scaling or reduce_dtype",
+            "construct the optimizer with the same arguments on every rank")
 
         self.layout = layout
         self.param_dtype = dtype
         self.reduce_dtype = reduce_dtype
         self.decoupled_weight_decay = bool(decoupled_weight_decay)
-        self.param_groups = [group]
+        self.max_grad_norm = max_grad_norm
+        self.scaler = scaler
+        self.param_groups = groups
         self.step_count = 0
         self.backend = backend_name
         xp = self._xp = backend.xp_for(backend_name)
@@ -88,14 +116,11 @@ class ZeroAdam:
         self.params = MappingProxyType(self._views(self._params))
         self.grads = MappingProxyType(self._views(self._grads))
 
-        largest_shard = max(b.shard_size for b in layout.buckets)
-        self._exchange_16bit = self._mixed and reduce_dtype == "float32"
-        reduced_dtype = FP32 if reduce_dtype == "float32" else dtype
-        self._reduced = xp.empty(largest_shard, reduced_dtype) if size > 1 else None
+        self._exchange_16bit = self._mixed and reduce_dtype == "float32" and size > 1
         self._received = (xp.empty(max(b.size for b in layout.buckets), dtype)
-                          if self._exchange_16bit and size > 1 else None)
-        self._adam = make_adam(backend_name, largest_shard)
-        self._load_initial_values(params)
+                          if self._exchange_16bit else None)
+        self._adam = make_adam(backend_name, max(b.shard_size for b in layout.buckets))
+        self._load_initial_values(arrays)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -107,33 +132,62 @@ class ZeroAdam:
     def world_size(self) -> int:
         return self.comm.size
 
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 without loss scaling)."""
+        return self.scaler.scale
+
     def zero_grad(self) -> None:
-        """Set every gradient (and the padding) to zero."""
+        """Set every gradient to zero (``step()`` also leaves them zeroed)."""
         self._grads.fill(0)
 
-    def step(self) -> None:
+    def step(self) -> StepInfo:
         """Average the gradients over ranks, update the owned shard, gather the parameters.
 
-        Must be called on all ranks. The gradient buffers are left as they were (call
-        ``zero_grad()`` before the next accumulation).
+        Must be called on all ranks. Consumes the gradients: the buffer is zero afterwards,
+        ready for the next accumulation. When the gradients overflow (inf/nan on any rank),
+        nothing is updated on any rank: with dynamic loss scaling the scale backs off and the
+        step reports ``skipped=True``; at the minimum scale, or without dynamic scaling,
+        ``FloatingPointError`` is raised on every rank.
         """
+        group_error = self._check_param_groups()
+        reduced = [self._reduce_gradients(bucket) for bucket in self.layout.buckets]
+        sum_sq = sum(self._adam.sum_of_squares(r) for r in reduced)
+        totals = [float(sum_sq), 1.0 if group_error else 0.0]
+        if self.world_size > 1:
+            totals = self.comm.allreduce_sum(totals)
+        if totals[1]:
+            self.zero_grad()
+            self.comm.agree(group_error)
+
+        scale = self.scaler.scale
+        grad_norm = math.sqrt(totals[0]) / (self.world_size * scale)
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            if self.scaler.at_minimum:
+                raise FloatingPointError(
+                    f"the gradients hold inf or nan (grad_norm={grad_norm}) at loss scale "
+                    f"{scale:g}, which cannot back off further, after {self.step_count} steps: "
+                    "nothing was updated. Check the loss for divergence, lower the learning "
+                    "rate, or use loss_scale='dynamic' (fp16)")
+            self.scaler = self.scaler.update(overflow=True)
+            return StepInfo(grad_norm, True, scale, 1.0, self.step_count)
+
+        clip = 1.0
+        if self.max_grad_norm is not None:
+            clip = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
         self.step_count += 1
-        group = self.param_groups[0]
-        scalars = AdamScalars.for_step(self.step_count, lr=group["lr"], betas=group["betas"],
-                                       eps=group["eps"], weight_decay=group["weight_decay"],
-                                       decoupled=self.decoupled_weight_decay,
-                                       grad_scale=1.0 / self.world_size)
-        for bucket in self.layout.buckets:
-            reduced = self._reduce_gradients(bucket)
-            lo, hi = bucket.shard(self.rank)
-            state = bucket.state
-            if self._mixed:
-                self._adam(reduced, self._master[state], self._exp_avg[state],
-                           self._exp_avg_sq[state], self._params[lo:hi], scalars)
-            else:
-                self._adam(reduced, self._params[lo:hi], self._exp_avg[state],
-                           self._exp_avg_sq[state], None, scalars)
+        factor = clip / (self.world_size * scale)
+        scalars = [AdamScalars.for_step(self.step_count, **{k: g[k] for k in GROUP_OPTIONS},
+                                        decoupled=self.decoupled_weight_decay,
+                                        grad_scale=factor)
+                   for g in self.param_groups]
+        for bucket, grads in zip(self.layout.buckets, reduced):
+            self._update_shard(bucket, grads, scalars)
             self.comm.allgather_inplace(self._params[bucket.offset:bucket.offset + bucket.size])
+        self.zero_grad()
+        self.scaler = self.scaler.update(overflow=False)
+        return StepInfo(grad_norm, False, scale, clip, self.step_count)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured from the arrays it allocated."""
@@ -147,12 +201,11 @@ class ZeroAdam:
                 "master_weights": owned * FP32.itemsize if self._mixed else 0,
                 "exp_avg": owned * FP32.itemsize,
                 "exp_avg_sq": owned * FP32.itemsize}
-        scratch = [self._reduced, self._received]
-        scratch_bytes = (sum(a.nbytes for a in scratch if a is not None)
-                         + self.comm.staging_bytes + self._adam.scratch_bytes)
-        return MemoryReport(**real, padding=held - sum(real.values()),
-                            comm_scratch=scratch_bytes, psi=psi, world_size=self.world_size,
-                            rank=self.rank, param_dtype=self.param_dtype.name)
+        scratch = (0 if self._received is None else self._received.nbytes) \
+            + self.comm.staging_bytes + self._adam.scratch_bytes
+        return MemoryReport(**real, padding=held - sum(real.values()), comm_scratch=scratch,
+                            psi=psi, world_size=self.world_size, rank=self.rank,
+                            param_dtype=self.param_dtype.name)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -160,7 +213,7 @@ class ZeroAdam:
         return {t.name: flat[t.offset:t.offset + t.numel].reshape(t.shape)
                 for t in self.layout.tensors}
 
-    def _load_initial_values(self, params) -> None:
+    def _load_initial_values(self, arrays) -> None:
         """Broadcast rank 0's values bucket by bucket; fp32 masters keep their full precision."""
         xp, layout = self._xp, self.layout
         staging = xp.zeros(max(b.size for b in layout.buckets), FP32) if self._mixed else None
@@ -169,7 +222,7 @@ class ZeroAdam:
             target = staging[:bucket.size] if self._mixed else self._params[span]
             if self.rank == 0:
                 for t, lo, hi in layout.pieces(bucket.offset, bucket.offset + bucket.size):
-                    values = xp.asarray(params[t.name]).reshape(-1)
+                    values = xp.asarray(arrays[t.name]).reshape(-1)
                     target[lo - bucket.offset:hi - bucket.offset] = values[lo - t.offset:
                                                                            hi - t.offset]
             self.comm.bcast(target)
@@ -178,22 +231,51 @@ class ZeroAdam:
                 lo, hi = bucket.shard(self.rank)
                 self._master[bucket.state] = target[lo - bucket.offset:hi - bucket.offset]
 
+    def _check_param_groups(self) -> str | None:
+        """A message if a param group's options were set to invalid values since last step."""
+        for index, group in enumerate(self.param_groups):
+            try:
+                check_hyperparameters(**{k: group[k] for k in GROUP_OPTIONS})
+            except (KeyError, TypeError, ValueError) as exc:
+                return f"param_groups[{index}]: {exc}"
+        return None
+
     def _reduce_gradients(self, bucket):
-        """This rank's shard of the bucket's gradients, summed over ranks."""
+        """This rank's shard of the bucket's gradients summed over ranks, stored in place.
+
+        The result lives at the start of the bucket's range of the gradient buffer: the
+        gradients there have been sent by then, so the sum needs no buffer of its own.
+        """
         grads = self._grads[bucket.offset:bucket.offset + bucket.size]
         if self.world_size == 1:
             return grads
-        reduced = self._reduced[:bucket.shard_size]
         if not self._exchange_16bit:
-            self.comm.reduce_scatter_sum(grads, reduced)
-            return reduced
+            self.comm.reduce_scatter_sum(grads)
+            return grads[:bucket.shard_size]
         received = self._received[:bucket.size]
         self.comm.alltoall(grads, received)
         blocks = received.reshape(self.world_size, bucket.shard_size)
+        reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / N
         reduced[...] = blocks[0]
         for block in blocks[1:]:
             self._xp.add(reduced, block, out=reduced, dtype=FP32)
         return reduced
+
+    def _update_shard(self, bucket, grads, scalars) -> None:
+        """The fused kernel over this rank's shard of ``bucket``, one launch per param group."""
+        lo, hi = bucket.shard(self.rank)
+        state = bucket.state.start
+        for (group_lo, group_hi), s in zip(self.layout.groups, scalars):
+            a, b = max(lo, group_lo) - lo, min(hi, group_hi) - lo
+            if a >= b:
+                continue
+            sl, st = slice(a, b), slice(state + a, state + b)
+            if self._mixed:
+                self._adam(grads[sl], self._master[st], self._exp_avg[st], self._exp_avg_sq[st],
+                           self._params[lo + a:lo + b], s)
+            else:
+                self._adam(grads[sl], self._params[lo + a:lo + b], self._exp_avg[st],
+                           self._exp_avg_sq[st], None, s)
 
 
 class ZeroAdamW(ZeroAdam):
@@ -203,82 +285,6 @@ class ZeroAdamW(ZeroAdam):
                  weight_decay=1e-2, **kwargs):
         kwargs.setdefault("decoupled_weight_decay", True)
         super().__init__(params, comm, lr, betas, eps, weight_decay, **kwargs)
-
-
-def _check_params(params, param_dtype):
-    """``(param dtype, backend name)`` for valid ``params``; TypeError/ValueError otherwise."""
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params must be a mapping of name -> array, got "
-                        f"{type(params).__name__}: pass e.g. {{'w': w, 'b': b}}")
-    if not params:
-        raise ValueError("params is empty: pass at least one named array")
-    backends, dtypes = set(), set()
-    for name, array in params.items():
-        if not isinstance(name, str):
-            raise TypeError(f"parameter name {name!r} must be a str")
-        kind = backend.backend_name(array)
-        if kind is None:
-            raise TypeError(f"params[{name!r}] is a {type(array).__name__}: pass a NumPy or "
-                            "CuPy array (convert other frameworks' tensors with np.asarray or "
-                            "cupy.from_dlpack)")
-        if array.dtype.kind != "f" and array.dtype != backend.BFLOAT16:
-            raise TypeError(f"params[{name!r}] has dtype {array.dtype}: parameters must be "
-                            "floating point (float32, float16 or bfloat16)")
-        if array.size and not bool(backend.xp_for(kind).isfinite(array).all()):
-            raise ValueError(f"params[{name!r}] holds non-finite values (inf or nan): "
-                             "initialize it with finite numbers")
-        backends.add(kind)
-        dtypes.add(np.dtype(array.dtype))
-    if len(backends) > 1:
-        raise TypeError("params mixes NumPy and CuPy arrays: put all of them on the host or "
-                        "all on the GPU")
-    if param_dtype is None:
-        if len(dtypes) > 1:
-            names = ", ".join(sorted(d.name for d in dtypes))
-            raise ValueError(f"params have several dtypes ({names}): pass "
-                             "param_dtype='float32', 'float16' or 'bfloat16'")
-        (param_dtype,) = dtypes
-        if param_dtype.name not in backend.PARAM_DTYPES:
-            raise ValueError(f"params have dtype {param_dtype.name}, which is not a parameter "
-                             "dtype: pass param_dtype='float32', 'float16' or 'bfloat16'")
-    return backend.resolve_dtype(param_dtype), backends.pop()
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay) -> dict:
-    def number(value, name):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-                or not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number")
-        return float(value)
-
-    lr, eps, weight_decay = number(lr, "lr"), number(eps, "eps"), number(weight_decay,
-                                                                         "weight_decay")
-    if lr < 0:
-        raise ValueError(f"lr={lr!r} must be >= 0")
-    if eps < 0:
-        raise ValueError(f"eps={eps!r} must be >= 0 (torch's default is 1e-8)")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas={betas!r} must be a pair such as (0.9, 0.999)") from None
-    for i, beta in enumerate((number(beta1, "betas[0]"), number(beta2, "betas[1]"))):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"betas[{i}]={beta!r} must be in [0, 1)")
-    return {"lr": lr, "betas": (float(beta1), float(beta2)), "eps": eps,
-            "weight_decay": weight_decay}
-
-
-def _check_reduce_dtype(reduce_dtype, dtype) -> str:
-    name = np.dtype(reduce_dtype).name if not isinstance(reduce_dtype, str) else reduce_dtype
-    if name not in REDUCE_DTYPES:
-        raise ValueError(f"reduce_dtype={reduce_dtype!r} is not supported: use 'float32' "
-                         "(default) or 'float16' (float16 parameters only)")
-    if name == "float16" and dtype != np.float16:
-        raise ValueError(f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
-                         f"{dtype.name}: use reduce_dtype='float32'")
-    return name
 
 
 def _check_layouts_agree(comm: Communicator, layout) -> None:
@@ -295,8 +301,9 @@ def _check_layouts_agree(comm: Communicator, layout) -> None:
             if len(theirs[0]) != len(mine[0]):
                 diff = (f"{len(mine[0])} tensors", f"{len(theirs[0])} tensors")
             else:
-                diff = next((a, b) for a, b in zip(mine[0] + [mine[1]], theirs[0] + [theirs[1]])
-                            if a != b)
+                diff = next(((a, b) for a, b in zip(mine[0] + [mine[1]],
+                                                    theirs[0] + [theirs[1]]) if a != b),
+                            ("one grouping of the tensors", "another"))
             raise CollectiveError(
                 f"ranks passed different parameters: rank 0 has {diff[0]}, rank {other} "
                 f"has {diff[1]}: every rank must pass the same names, shapes and dtypes "

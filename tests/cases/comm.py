@@ -43,17 +43,23 @@ def check_collectives(comm):
         assert np.array_equal(buf, exact_values(n, size - 1, dtype)), name
         # Reduce-scatter exists for the dtypes MPI can sum.
         if name != "bfloat16":
-            out = np.empty(block, dtype)
-            comm.reduce_scatter_sum(send, out)
+            buf = send.copy()
+            comm.reduce_scatter_sum(buf)  # in place: my block of the sum lands at the front
             want = sum(exact_values(n, r, np.float32) for r in range(size))
-            assert np.array_equal(out, want[rank * block:(rank + 1) * block].astype(dtype)), name
+            mine = want[rank * block:(rank + 1) * block].astype(dtype)
+            assert np.array_equal(buf[:block], mine), name
         else:
             try:
-                comm.reduce_scatter_sum(send, np.empty(block, dtype))
+                comm.reduce_scatter_sum(send.copy())
             except TypeError as exc:
                 assert "bfloat16" in str(exc)
             else:
                 raise AssertionError("bfloat16 reduction did not raise")
+
+
+def check_allreduce_sum(comm):
+    totals = comm.allreduce_sum([rank, 1.0, np.inf if rank == size - 1 else 0.0])
+    assert list(totals) == [size * (size - 1) / 2, size, np.inf]
 
 
 def check_agreement(comm):
@@ -113,6 +119,7 @@ def main():
     for stage_host in (False, True):
         comm = Communicator(world, stage_host=stage_host)
         check_collectives(comm)
+        check_allreduce_sum(comm)
         check_agreement(comm)
     check_optimizer_through_staging()
     if rank == 0:
