@@ -30,9 +30,14 @@ def mpiexec_command(n: int) -> list[str]:
 
 
 def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool = True,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``tests/cases/<script>`` on ``n`` ranks; fail the test on timeout or (check) error."""
-    cmd = [*mpiexec_command(n), sys.executable, "-m", "mpi4py", str(CASES / script), *args]
+            env: dict | None = None, abort_on_exception: bool = True
+            ) -> subprocess.CompletedProcess:
+    """Run ``tests/cases/<script>`` on ``n`` ranks; fail the test on timeout or (check) error.
+
+    ``abort_on_exception=False`` runs plain ``python script`` instead of ``python -m mpi4py``.
+    """
+    runner = ["-m", "mpi4py"] if abort_on_exception else []
+    cmd = [*mpiexec_command(n), sys.executable, *runner, str(CASES / script), *args]
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
                 "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -1,38 +1,49 @@
 """The oracle: textbook Adam/AdamW on whole tensors, in float64, one process, no sharding.
 
-Written from the ``torch.optim.Adam`` / ``AdamW`` documentation, independently of
-``zero1_mpi.kernels``.
+Written from the ``torch.optim.Adam`` / ``AdamW`` and ``clip_grad_norm_`` documentation,
+independently of ``zero1_mpi``. Param groups are lists of names with their own options.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 
 class ReferenceAdam:
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 decoupled=False):
+                 decoupled=False, groups=None, max_grad_norm=None):
         self.params = {k: np.array(v, dtype=np.float64) for k, v in params.items()}
         self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: np.zeros_like(v) for k, v in self.params.items()}
-        self.lr, self.betas, self.eps = lr, betas, eps
-        self.weight_decay, self.decoupled = weight_decay, decoupled
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        self.groups = [{**defaults, **g} for g in (groups or [{"names": list(params)}])]
+        self.decoupled, self.max_grad_norm = decoupled, max_grad_norm
         self.t = 0
 
-    def step(self, grads) -> None:
+    def step(self, grads) -> float:
+        """One step on ``grads`` (already averaged); returns the norm before clipping."""
+        grads = {k: np.asarray(g, dtype=np.float64) for k, g in grads.items()}
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        if self.max_grad_norm is not None:
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            grads = {k: g * coef for k, g in grads.items()}
         self.t += 1
-        b1, b2 = self.betas
-        for k, p in self.params.items():
-            g = np.asarray(grads[k], dtype=np.float64)
-            if self.weight_decay and not self.decoupled:
-                g = g + self.weight_decay * p
-            if self.decoupled:
-                p *= 1 - self.lr * self.weight_decay
-            self.m[k] = b1 * self.m[k] + (1 - b1) * g
-            self.v[k] = b2 * self.v[k] + (1 - b2) * g * g
-            m_hat = self.m[k] / (1 - b1 ** self.t)
-            v_hat = self.v[k] / (1 - b2 ** self.t)
-            p -= self.lr * m_hat / (np.sqrt(v_hat) + self.eps)
+        for group in self.groups:
+            lr, (b1, b2), eps, wd = (group[k] for k in ("lr", "betas", "eps", "weight_decay"))
+            for k in group["names"]:
+                p, g = self.params[k], grads[k]
+                if wd and not self.decoupled:
+                    g = g + wd * p
+                if self.decoupled:
+                    p *= 1 - lr * wd
+                self.m[k] = b1 * self.m[k] + (1 - b1) * g
+                self.v[k] = b2 * self.v[k] + (1 - b2) * g * g
+                m_hat = self.m[k] / (1 - b1 ** self.t)
+                v_hat = self.v[k] / (1 - b2 ** self.t)
+                p -= lr * m_hat / (np.sqrt(v_hat) + eps)
+        return norm
 
 
 def ordered_bits(a: np.ndarray) -> np.ndarray:
@@ -54,3 +65,24 @@ def max_rel_err(a: np.ndarray, b: np.ndarray) -> float:
         return 0.0
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.abs(a - b).max() / max(np.abs(b).max(), np.finfo(np.float64).tiny))
+
+
+def close_to_reference(got, want, dtype) -> tuple[bool, float]:
+    """The project's bound, as ``(ok, worst error)``.
+
+    fp32: relative error <= 1e-6 (max norm over the tensor). fp16/bf16: within one unit in the
+    last place of the reference rounded to that dtype. One exception: an element much smaller
+    than the rest of its tensor has 16-bit ulps finer than what an fp32 master can hold after
+    it has moved (its rounding history is absolute), so there the fp32 bound applies instead.
+    """
+    got, want = np.asarray(got), np.asarray(want, np.float64)
+    if np.dtype(dtype) == np.float32:
+        err = max_rel_err(got, want)
+        return err <= 1e-6, err
+    if got.size == 0:
+        return True, 0
+    ulps = np.abs(ordered_bits(got) - ordered_bits(want.astype(np.float32).astype(dtype)))
+    fp32_bound = 1e-6 * np.abs(want).max()
+    tiny_and_close = np.abs(got.astype(np.float64) - want) <= fp32_bound
+    worst = int(ulps[~tiny_and_close].max()) if (~tiny_and_close).any() else 0
+    return worst <= 1, worst

@@ -64,13 +64,13 @@ def test_cupy_buffers_through_the_communicator(cuda_aware):
         pytest.skip("this MPI is not CUDA-aware (set ZERO1_MPI_CUDA_AWARE=1 if it is)")
     comm = Communicator(MPI.COMM_SELF, cuda_aware=cuda_aware)
     for dtype in PARAM_DTYPES.values():
-        buf = cupy.arange(12, dtype=np.float32).astype(dtype)
-        recv = cupy.empty_like(buf)
-        comm.alltoall(buf, recv)
+        buf = cupy.arange(1, 13, dtype=np.float32).astype(dtype)
+        recv = cupy.zeros_like(buf)
+        comm.alltoall(buf, recv)  # staged: recv only changes if the copy back works
         assert bool((recv == buf).all())
         comm.allgather_inplace(buf)
         comm.bcast(buf)
-        assert bool((buf == cupy.arange(12, dtype=np.float32).astype(dtype)).all())
+        assert bool((buf == cupy.arange(1, 13, dtype=np.float32).astype(dtype)).all())
     assert (comm.staging_bytes > 0) is (not cuda_aware)
 
 

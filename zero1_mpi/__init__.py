@@ -8,8 +8,10 @@ CuPy buffers that the model sees through named views.
 from .comm import CollectiveError, Communicator
 from .layout import Layout, build_layout
 from .memory import MemoryReport
-from .optimizer import ZeroAdam, ZeroAdamW
+from .optimizer import StepInfo, ZeroAdam, ZeroAdamW
+from .params import decay_groups
+from .scaler import LossScaler
 
-__all__ = ["ZeroAdam", "ZeroAdamW", "MemoryReport", "Communicator", "CollectiveError",
-           "Layout", "build_layout"]
+__all__ = ["ZeroAdam", "ZeroAdamW", "StepInfo", "LossScaler", "decay_groups", "MemoryReport",
+           "Communicator", "CollectiveError", "Layout", "build_layout"]
 __version__ = "0.1.0"

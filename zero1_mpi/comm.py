@@ -8,13 +8,20 @@ in this order: the ``cuda_aware`` argument, the ``ZERO1_MPI_CUDA_AWARE`` environ
 ``MPIX_Query_cuda_support`` from the loaded MPI library, and finally "no" (staging).
 
 ``agree`` turns an error that some ranks detected into the same exception on every rank, so
-checks made before a collective never leave other ranks waiting.
+checks made before a collective never leave other ranks waiting. ``abort_on_error`` guards work
+between collectives that one rank alone may fail: it aborts the job rather than leave the other
+ranks waiting forever.
 """
 
 from __future__ import annotations
 
+import builtins
 import ctypes
+import importlib
 import os
+import sys
+import traceback
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
@@ -90,30 +97,63 @@ class Communicator:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.cuda_aware, self.cuda_aware_source = resolve_cuda_aware(cuda_aware)
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
         self.stage_host = stage_host
         self._staging: dict[str, np.ndarray] = {}
+        self.cuda_aware, self.cuda_aware_source = False, "unresolved"
+        error = None
+        try:
+            self.cuda_aware, self.cuda_aware_source = resolve_cuda_aware(cuda_aware)
+        except (TypeError, ValueError) as exc:  # a setting of one rank's environment
+            error = exc
+        self.agree(error)
 
     # -- agreement on small Python values ------------------------------------------------------
 
-    def agree(self, error: str | None, exc_type: type[Exception] = ValueError) -> None:
-        """Raise ``exc_type`` on every rank if any rank passes an error message."""
-        errors = self.comm.allgather(error)
-        failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
+    def agree(self, error: Exception | str | None) -> None:
+        """Raise on every rank if any rank passes an error (an exception, or a message for a
+        ValueError): the first failing rank's exception type and message, naming that rank."""
+        if isinstance(error, BaseException):
+            error = (type(error).__module__, type(error).__qualname__, str(error))
+        elif error is not None:
+            error = ("builtins", "ValueError", str(error))
+        failed = [(rank, e) for rank, e in enumerate(self.comm.allgather(error)) if e is not None]
         if failed:
-            rank, msg = failed[0]
+            rank, (module, name, message) = failed[0]
             where = f"rank {rank}" + (" (this rank)" if rank == self.rank else "")
             more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-            raise exc_type(f"{msg} [detected on {where}{more}]")
+            raise _exception(module, name, f"{message} [detected on {where}{more}]")
+
+    @contextmanager
+    def abort_on_error(self, doing: str):
+        """Abort the whole job if this block raises: for work between collectives that only
+        this rank might fail, where the other ranks would otherwise wait forever."""
+        try:
+            yield
+        except BaseException:
+            if self.size > 1:
+                sys.stderr.write(f"zero1_mpi: rank {self.rank} failed {doing}; aborting all "
+                                 f"{self.size} ranks so that none waits forever\n")
+                traceback.print_exc()
+                sys.stderr.flush()
+                self.comm.Abort(1)
+            raise
 
     def check_same(self, value, what: str, fix: str) -> None:
-        """Raise ``CollectiveError`` on every rank unless ``value`` is equal on all ranks."""
+        """Raise ``CollectiveError`` on every rank unless ``value`` is equal on all ranks.
+
+        For a dict, the message names the first key that differs and both values.
+        """
         values = self.comm.allgather(value)
         differing = [rank for rank, v in enumerate(values) if v != values[0]]
         if differing:
-            raise CollectiveError(f"{what} differs between ranks (rank 0 vs rank "
-                                  f"{differing[0]}): {fix}")
+            other = differing[0]
+            first, theirs = values[0], values[other]
+            if isinstance(first, dict) and isinstance(theirs, dict):
+                key = next(k for k in first if first.get(k) != theirs.get(k))
+                what = f"{key} ({first[key]!r} on rank 0, {theirs.get(key)!r} on rank {other})"
+            raise CollectiveError(f"{what} differs between ranks (rank 0 vs rank {other}): "
+                                  f"{fix}")
 
     # -- collectives on array buffers ----------------------------------------------------------
 
@@ -190,6 +230,18 @@ class _Staged:
         if self.staged and self.copy_out and exc_type is None:
             backend.copy_from_host(self.host, self.buf)
         return False
+
+
+def _exception(module: str, name: str, message: str) -> BaseException:
+    """The exception ``module.name(message)``, or a RuntimeError where it cannot be made."""
+    try:
+        owner = builtins if module == "builtins" else importlib.import_module(module)
+        exc_type = getattr(owner, name)
+        if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+            return exc_type(message)
+    except Exception:  # noqa: BLE001 - any failure falls back to a RuntimeError
+        pass
+    return RuntimeError(f"{module}.{name}: {message}")
 
 
 def _bytes(buf):

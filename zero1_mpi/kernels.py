@@ -30,6 +30,8 @@ class AdamScalars:
     grad_scale: float      # multiplies the incoming gradient (1/world_size for a mean)
     beta1: float
     beta2: float
+    one_minus_beta1: float  # computed on the host in double, as torch does
+    one_minus_beta2: float
     eps: float
     l2: float              # Adam: weight_decay added to the gradient as weight_decay * p
     decay: float           # AdamW: p *= decay, with decay = 1 - lr * weight_decay
@@ -40,7 +42,7 @@ class AdamScalars:
     def for_step(cls, step: int, *, lr, betas, eps, weight_decay, decoupled, grad_scale=1.0):
         beta1, beta2 = betas
         return cls(grad_scale=float(grad_scale), beta1=float(beta1), beta2=float(beta2),
-                   eps=float(eps),
+                   one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2, eps=float(eps),
                    l2=0.0 if decoupled else float(weight_decay),
                    decay=1.0 - lr * weight_decay if decoupled else 1.0,
                    step_size=lr / (1.0 - beta1 ** step),
@@ -83,11 +85,11 @@ class NumpyAdam:
             np.multiply(p, s.l2, out=t)                            # Adam: g += wd * p
             g += t
         np.subtract(g, m, out=t)                                   # m = lerp(m, g, 1 - beta1)
-        t *= 1.0 - s.beta1
+        t *= s.one_minus_beta1
         m += t
         v *= s.beta2                                               # v = beta2 v + (1-beta2) g^2
         np.multiply(g, g, out=t)
-        t *= 1.0 - s.beta2
+        t *= s.one_minus_beta2
         v += t
         if s.decay != 1.0:
             p *= s.decay                                           # AdamW: p *= 1 - lr * wd
@@ -102,13 +104,14 @@ class NumpyAdam:
 
 
 # The CuPy twin. ``grad`` and ``param`` are templated (G, P): float32, float16 or bfloat16.
-_CUDA_IN = ("G grad, float32 grad_scale, float32 beta1, float32 beta2, float32 eps, "
-            "float32 l2, float32 decay, float32 step_size, float32 bc2_sqrt")
+_CUDA_IN = ("G grad, float32 grad_scale, float32 beta2, float32 one_minus_beta1, "
+            "float32 one_minus_beta2, float32 eps, float32 l2, float32 decay, "
+            "float32 step_size, float32 bc2_sqrt")
 _CUDA_MATH = r"""
     float g = (float)grad * grad_scale;                  // mean gradient, in fp32
     g += l2 * p;                                         // Adam: L2 term (l2 = 0 for AdamW)
-    float m = exp_avg + (1.0f - beta1) * (g - exp_avg);  // first moment: lerp(m, g, 1 - beta1)
-    float v = beta2 * exp_avg_sq + (1.0f - beta2) * g * g;  // second moment
+    float m = exp_avg + one_minus_beta1 * (g - exp_avg);  // first moment: lerp(m, g, 1 - beta1)
+    float v = beta2 * exp_avg_sq + one_minus_beta2 * (g * g);  // second moment
     p *= decay;                                          // AdamW: 1 - lr * wd (1 for Adam)
     float denom = sqrtf(v) / bc2_sqrt + eps;             // bias-corrected sqrt(v), eps outside
     p -= step_size * m / denom;                          // step_size = lr / (1 - beta1^t)
@@ -152,8 +155,9 @@ class CupyAdam:
         return _sum_of_squares_kernel(x)
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
-        scalars = tuple(np.float32(x) for x in (s.grad_scale, s.beta1, s.beta2, s.eps, s.l2,
-                                                s.decay, s.step_size, s.bc2_sqrt))
+        scalars = tuple(np.float32(x) for x in (
+            s.grad_scale, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.eps, s.l2, s.decay,
+            s.step_size, s.bc2_sqrt))
         args = (grad,) + scalars
         if param is None:
             _cuda_kernel("fp32")(*args, master, exp_avg, exp_avg_sq)

@@ -14,6 +14,7 @@ are detected before the first collective and raised on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -70,57 +71,52 @@ class ZeroAdam:
                  weight_decay=0.0, *, decoupled_weight_decay=False, param_dtype=None,
                  loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None):
-        self.comm = (comm if isinstance(comm, Communicator)
-                     else Communicator(comm, cuda_aware=cuda_aware))
+        if isinstance(comm, Communicator):
+            if cuda_aware is not None:
+                raise ValueError("cuda_aware= applies to a communicator this optimizer builds: "
+                                 "pass it to the Communicator you built instead")
+            self.comm = comm
+        else:
+            self.comm = Communicator(comm, cuda_aware=cuda_aware)
         size = self.comm.size
 
-        error, error_type = None, ValueError
+        error = None
         try:
             defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
             groups, arrays = normalize_groups(params, defaults)
             dtype, backend_name = check_arrays(arrays, param_dtype)
+            if not isinstance(decoupled_weight_decay, bool):
+                raise TypeError(f"decoupled_weight_decay={decoupled_weight_decay!r} must be "
+                                "True or False")
             reduce_dtype = check_reduce_dtype(reduce_dtype, dtype)
             max_grad_norm = check_max_grad_norm(max_grad_norm)
             scaler = LossScaler.from_option(loss_scale)
             layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()}, size,
                                   dtype.name, bucket_elements=bucket_elements,
                                   group_sizes=[len(g["names"]) for g in groups])
-        except (TypeError, ValueError) as exc:
-            error, error_type = str(exc), type(exc)
-        self.comm.agree(error, error_type)
-        _check_layouts_agree(self.comm, layout)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            error = exc
+        self.comm.agree(error)
         self.comm.check_same(
-            (backend_name, [sorted(g.items()) for g in groups], bool(decoupled_weight_decay),
-             reduce_dtype, max_grad_norm, sorted(scaler.state().items())),
-            "the backend, param groups, hyperparameters, loss scaling or reduce_dtype",
-            "construct the optimizer with the same arguments on every rank")
+            {"backend": backend_name, "param group options": [_options(g) for g in groups],
+             "decoupled_weight_decay": decoupled_weight_decay, "reduce_dtype": reduce_dtype,
+             "max_grad_norm": max_grad_norm, "loss_scale": scaler,
+             "bucket_elements": bucket_elements},
+            "an option", "construct the optimizer with the same arguments on every rank")
+        _check_layouts_agree(self.comm, layout)
 
         self.layout = layout
         self.param_dtype = dtype
         self.reduce_dtype = reduce_dtype
-        self.decoupled_weight_decay = bool(decoupled_weight_decay)
+        self.decoupled_weight_decay = decoupled_weight_decay
         self.max_grad_norm = max_grad_norm
         self.scaler = scaler
         self.param_groups = groups
         self.step_count = 0
         self.backend = backend_name
-        xp = self._xp = backend.xp_for(backend_name)
-
-        self._params = xp.zeros(layout.total, dtype)
-        self._grads = xp.zeros(layout.total, dtype)
-        shard = layout.shard_total
-        self._mixed = dtype != FP32
-        self._master = xp.zeros(shard, FP32) if self._mixed else None
-        self._exp_avg = xp.zeros(shard, FP32)
-        self._exp_avg_sq = xp.zeros(shard, FP32)
-        self.params = MappingProxyType(self._views(self._params))
-        self.grads = MappingProxyType(self._views(self._grads))
-
-        self._exchange_16bit = self._mixed and reduce_dtype == "float32" and size > 1
-        self._received = (xp.empty(max(b.size for b in layout.buckets), dtype)
-                          if self._exchange_16bit else None)
-        self._adam = make_adam(backend_name, max(b.shard_size for b in layout.buckets))
-        self._load_initial_values(arrays)
+        with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
+            self._allocate(layout, dtype, backend_name)
+            self._load_initial_values(arrays)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -150,15 +146,23 @@ class ZeroAdam:
         step reports ``skipped=True``; at the minimum scale, or without dynamic scaling,
         ``FloatingPointError`` is raised on every rank.
         """
-        group_error = self._check_param_groups()
-        reduced = [self._reduce_gradients(bucket) for bucket in self.layout.buckets]
-        sum_sq = sum(self._adam.sum_of_squares(r) for r in reduced)
-        totals = [float(sum_sq), 1.0 if group_error else 0.0]
-        if self.world_size > 1:
-            totals = self.comm.allreduce_sum(totals)
+        group_error, options = self._check_param_groups()
+        with self.comm.abort_on_error("in step() while reducing the gradients"):
+            reduced = [self._reduce_gradients(bucket) for bucket in self.layout.buckets]
+            sum_sq = float(sum(self._adam.sum_of_squares(r) for r in reduced))
+            # One Allreduce: the norm (inf/nan if any rank overflowed), whether any rank found
+            # a bad option, and whether all ranks hold the same options (sum h and sum h^2).
+            totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options]
+            if self.world_size > 1:
+                totals = self.comm.allreduce_sum(totals)
         if totals[1]:
             self.zero_grad()
             self.comm.agree(group_error)
+        if self.world_size * int(totals[3]) != int(totals[2]) ** 2:
+            self.zero_grad()
+            raise CollectiveError("param_groups options (lr, betas, eps, weight_decay) differ "
+                                  "between ranks: set them to the same values on every rank "
+                                  "(nothing was updated)")
 
         scale = self.scaler.scale
         grad_norm = math.sqrt(totals[0]) / (self.world_size * scale)
@@ -176,16 +180,18 @@ class ZeroAdam:
         clip = 1.0
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
-        self.step_count += 1
         factor = clip / (self.world_size * scale)
-        scalars = [AdamScalars.for_step(self.step_count, **{k: g[k] for k in GROUP_OPTIONS},
-                                        decoupled=self.decoupled_weight_decay,
-                                        grad_scale=factor)
-                   for g in self.param_groups]
-        for bucket, grads in zip(self.layout.buckets, reduced):
-            self._update_shard(bucket, grads, scalars)
-            self.comm.allgather_inplace(self._params[bucket.offset:bucket.offset + bucket.size])
-        self.zero_grad()
+        with self.comm.abort_on_error("in step() while updating the parameters"):
+            scalars = [AdamScalars.for_step(self.step_count + 1, **_options(g, dict),
+                                            decoupled=self.decoupled_weight_decay,
+                                            grad_scale=factor)
+                       for g in self.param_groups]
+            for bucket, grads in zip(self.layout.buckets, reduced):
+                self._update_shard(bucket, grads, scalars)
+                self.comm.allgather_inplace(
+                    self._params[bucket.offset:bucket.offset + bucket.size])
+            self.zero_grad()
+        self.step_count += 1
         self.scaler = self.scaler.update(overflow=False)
         return StepInfo(grad_norm, False, scale, clip, self.step_count)
 
@@ -209,6 +215,23 @@ class ZeroAdam:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _allocate(self, layout, dtype, backend_name) -> None:
+        xp = self._xp = backend.xp_for(backend_name)
+        self._params = xp.zeros(layout.total, dtype)
+        self._grads = xp.zeros(layout.total, dtype)
+        shard = layout.shard_total
+        self._mixed = dtype != FP32
+        self._master = xp.zeros(shard, FP32) if self._mixed else None
+        self._exp_avg = xp.zeros(shard, FP32)
+        self._exp_avg_sq = xp.zeros(shard, FP32)
+        self.params = MappingProxyType(self._views(self._params))
+        self.grads = MappingProxyType(self._views(self._grads))
+        self._exchange_16bit = (self._mixed and self.reduce_dtype == "float32"
+                                and self.world_size > 1)
+        self._received = (xp.empty(max(b.size for b in layout.buckets), dtype)
+                          if self._exchange_16bit else None)
+        self._adam = make_adam(backend_name, max(b.shard_size for b in layout.buckets))
+
     def _views(self, flat) -> dict:
         return {t.name: flat[t.offset:t.offset + t.numel].reshape(t.shape)
                 for t in self.layout.tensors}
@@ -231,14 +254,17 @@ class ZeroAdam:
                 lo, hi = bucket.shard(self.rank)
                 self._master[bucket.state] = target[lo - bucket.offset:hi - bucket.offset]
 
-    def _check_param_groups(self) -> str | None:
-        """A message if a param group's options were set to invalid values since last step."""
+    def _check_param_groups(self) -> tuple[str | None, int]:
+        """``(problem, digest)``: a message if a group's options were set to invalid values
+        since the last step, and a 20-bit digest of all options, to compare across ranks."""
+        problem = None
         for index, group in enumerate(self.param_groups):
             try:
-                check_hyperparameters(**{k: group[k] for k in GROUP_OPTIONS})
-            except (KeyError, TypeError, ValueError) as exc:
-                return f"param_groups[{index}]: {exc}"
-        return None
+                check_hyperparameters(**_options(group, dict))
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by step()
+                problem = problem or f"param_groups[{index}]: {exc}"
+        text = repr([_options(g) for g in self.param_groups]).encode()
+        return problem, int(hashlib.sha256(text).hexdigest()[:5], 16)
 
     def _reduce_gradients(self, bucket):
         """This rank's shard of the bucket's gradients summed over ranks, stored in place.
@@ -276,6 +302,12 @@ class ZeroAdam:
             else:
                 self._adam(grads[sl], self._params[lo + a:lo + b], self._exp_avg[st],
                            self._exp_avg_sq[st], None, s)
+
+
+def _options(group: dict, kind=list):
+    """A group's Adam options, as a list of (key, value) pairs or as a dict."""
+    pairs = [(key, group.get(key)) for key in GROUP_OPTIONS]
+    return dict(pairs) if kind is dict else pairs
 
 
 class ZeroAdamW(ZeroAdam):

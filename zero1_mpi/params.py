@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from . import backend
@@ -101,7 +102,15 @@ def check_arrays(arrays: Mapping, param_dtype) -> tuple[np.dtype, str]:
         if param_dtype.name not in backend.PARAM_DTYPES:
             raise ValueError(f"params have dtype {param_dtype.name}, which is not a parameter "
                              "dtype: pass param_dtype='float32', 'float16' or 'bfloat16'")
-    return backend.resolve_dtype(param_dtype), backends.pop()
+    dtype = backend.resolve_dtype(param_dtype)
+    limit = float(ml_dtypes.finfo(dtype).max)
+    for name, array in arrays.items():
+        peak = float(abs(array).max()) if array.size else 0.0
+        if peak > limit:
+            raise ValueError(f"params[{name!r}] holds {peak:g}, beyond the largest {dtype.name} "
+                             f"({limit:g}): scale the initial values or choose a wider "
+                             "param_dtype")
+    return dtype, backends.pop()
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay) -> dict:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+FLOAT32_MAX = 3.4028234663852886e38  # gradients are at most fp32: a larger scale is useless
+
 
 @dataclass(frozen=True)
 class LossScaler:
@@ -80,7 +82,7 @@ class LossScaler:
                            good_steps=0)
         if self.good_steps + 1 >= self.growth_interval:
             grown = self.scale * self.growth_factor
-            return replace(self, scale=grown if math.isfinite(grown) else self.scale,
+            return replace(self, scale=grown if grown <= FLOAT32_MAX else self.scale,
                            good_steps=0)
         return replace(self, good_steps=self.good_steps + 1)
 

@@ -77,7 +77,22 @@ CASES = [
      lambda: ZeroAdam(good(), param_dtype=on_last("float16", "float32")),
      CollectiveError if size > 1 else None, ["param_dtype"]),
     ("different lr on the last rank", lambda: ZeroAdamW(good(), lr=on_last(0.1, 0.2)),
-     CollectiveError if size > 1 else None, ["hyperparameters"]),
+     CollectiveError if size > 1 else None, ["param group options", "0.2", f"rank {last}"]),
+    ("different bucket_elements on the last rank",
+     lambda: ZeroAdam(good(), bucket_elements=on_last(1000, 2000)),
+     CollectiveError if size > 1 else None, ["bucket_elements (2000 on rank 0, 1000", "same"]),
+    ("unknown option type on one rank", lambda: ZeroAdam(good(), lr=on_last(10 ** 400, 0.1)),
+     OverflowError, ["int too large"]),
+    ("decoupled_weight_decay is a string",
+     lambda: ZeroAdam(good(), decoupled_weight_decay="false"), TypeError,
+     ["decoupled_weight_decay='false'", "True or False"]),
+    ("a value beyond float16", lambda: ZeroAdam({"w": np.full(3, 1e5, np.float32)},
+                                               param_dtype="float16"), ValueError,
+     ["params['w']", "100000", "65504", "param_dtype"]),
+    ("a value beyond float32", lambda: ZeroAdam({"w": np.full(3, 1e39)}, param_dtype="float32"),
+     ValueError, ["float32"]),
+    ("comm is an MPI.Group", lambda: ZeroAdam(good(), comm=MPI.COMM_WORLD.group),
+     TypeError, ["intracommunicator"]),
 ]
 
 
@@ -125,18 +140,22 @@ def main():
             raise AssertionError("opt.params / opt.grads accepted a new array")
 
     # A misspelt CUDA-awareness setting is an error that names the variable.
-    def with_bad_setting():
-        os.environ["ZERO1_MPI_CUDA_AWARE"] = "maybe"
+    def with_bad_setting_on_last_rank():
+        if rank == last:
+            os.environ["ZERO1_MPI_CUDA_AWARE"] = "maybe"
         try:
             ZeroAdam(good())
         finally:
-            del os.environ["ZERO1_MPI_CUDA_AWARE"]
+            os.environ.pop("ZERO1_MPI_CUDA_AWARE", None)
 
-    expect("bad ZERO1_MPI_CUDA_AWARE", with_bad_setting, ValueError,
-           ["ZERO1_MPI_CUDA_AWARE='maybe'"])
+    expect("bad ZERO1_MPI_CUDA_AWARE on one rank", with_bad_setting_on_last_rank, ValueError,
+           ["ZERO1_MPI_CUDA_AWARE='maybe'", f"rank {last}"])
+    expect("bad cuda_aware argument on one rank",
+           lambda: ZeroAdam(good(), cuda_aware=on_last("yes", None)), TypeError,
+           ["cuda_aware='yes'"])
 
     if rank == 0:
-        print(f"OK bad input: {len(CASES) + 3} cases on {size} ranks")
+        print(f"OK bad input: {len(CASES) + 4} cases on {size} ranks")
 
 
 if __name__ == "__main__":
