@@ -32,18 +32,24 @@ def mpiexec_command(n: int) -> list[str]:
 def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool = True,
             env: dict | None = None, abort_on_exception: bool = True
             ) -> subprocess.CompletedProcess:
-    """Run ``tests/cases/<script>`` on ``n`` ranks; fail the test on timeout or (check) error.
+    """Run ``script`` on ``n`` ranks from the repository root; fail the test on timeout or
+    (with ``check``) a non-zero exit.
 
+    ``script`` is a case name of ``tests/cases`` or a path from the root (``examples/...``).
     ``abort_on_exception=False`` runs plain ``python script`` instead of ``python -m mpi4py``.
+    A ``SLURM_NTASKS`` of the surrounding job is dropped (the runs are not srun steps).
     """
+    path = script if "/" in script else str((CASES / script).relative_to(ROOT))
     runner = ["-m", "mpi4py"] if abort_on_exception else []
-    cmd = [*mpiexec_command(n), sys.executable, *runner, str(CASES / script), *args]
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    full_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
-                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, start_new_session=True)
+    cmd = [*mpiexec_command(n), sys.executable, *runner, path, *args]
+    pythonpath = os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                  os.environ.get("PYTHONPATH", "")])
+    full_env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS"}
+    full_env.update({"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1",
+                     "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                     **(env or {})})
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=full_env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -9,39 +9,22 @@ from __future__ import annotations
 
 import ast
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from mpirun import run_mpi
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_mlp.py"
 LAUNCH = "mpiexec -n 4 python -m mpi4py examples/train_mlp.py"
-sys.path.insert(0, str(Path(__file__).parent))
-from mpirun import mpiexec_command  # noqa: E402
 
 
 def run_example(n: int, *args: str, env: dict | None = None, timeout: float = 120):
-    """``(returncode, stdout + stderr)`` of the example on ``n`` ranks, run from the repo root."""
-    cmd = [*mpiexec_command(n), sys.executable, "-m", "mpi4py", str(EXAMPLE.relative_to(ROOT)),
-           *args]
-    full_env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS"}
-    full_env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                     "OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-                     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(env or {})})
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=full_env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n{out}")
-    return proc.returncode, out
+    """``(returncode, stdout + stderr)`` of the example on ``n`` ranks."""
+    result = run_mpi(n, "examples/train_mlp.py", *args, env=env, timeout=timeout, check=False)
+    return result.returncode, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("n, dtype", [(1, "float32"), (2, "float32"), (4, "float32"),

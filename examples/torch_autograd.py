@@ -1,0 +1,155 @@
+"""mpiexec -n 4 python -m mpi4py examples/torch_autograd.py
+
+A PyTorch model trained by zero1_mpi: every ``nn.Parameter``'s data and ``.grad`` are views of
+the optimizer's flat buffers (no copies), so autograd writes gradients straight into
+``opt.grads`` and ``opt.step()`` updates the tensors the model reads. Each rank draws its own
+batches; the optimizer averages the gradients over ranks (ZeRO stage 1 AdamW with clipping).
+
+    mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --dtype bfloat16
+    mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --reference ddp
+    mpiexec -n 2 python -m mpi4py examples/torch_autograd.py --device cuda   # DLPack + CuPy
+
+``--reference ddp`` trains the same model on the same data with
+``torch.nn.parallel.DistributedDataParallel`` (gloo) and ``torch.optim.AdamW``: the loss curve it
+prints matches this one. Rank 0 prints the loss every ``--log-every`` steps and, last, all
+losses as ``losses: [...]`` (JSON) for scripts.
+"""
+
+import argparse
+import json
+import os
+import socket
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from zero1_mpi import ZeroAdamW
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--steps", type=int, default=100)
+parser.add_argument("--lr", type=float, default=1e-2)
+parser.add_argument("--batch", type=int, default=32, help="examples per rank per step")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+parser.add_argument("--reference", default="none", choices=["none", "ddp"])
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--log-every", type=int, default=10)
+args = parser.parse_args()
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+WEIGHT_DECAY, MAX_NORM, D_IN = 1e-2, 1.0, 32
+
+
+def print0(*a):
+    if rank == 0:
+        print(*a, flush=True)
+
+
+if args.device == "cuda":
+    import cupy
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    device_index = local % torch.cuda.device_count()
+    torch.cuda.set_device(device_index)
+    cupy.cuda.Device(device_index).use()
+device = torch.device(args.device)
+dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+
+def make_model():
+    torch.manual_seed(args.seed)  # the same initial values on every rank (and in both modes)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 1)).to(device=device, dtype=dtype)
+
+
+TEACHER = torch.randn(D_IN, generator=torch.Generator().manual_seed(1234))
+
+
+def batch(step):
+    """This rank's batch for ``step``: different on every rank, the same in both modes."""
+    g = torch.Generator().manual_seed(args.seed * 100003 + step * 1009 + rank)
+    x = torch.randn(args.batch, D_IN, generator=g)
+    y = torch.sin(x @ TEACHER / D_IN ** 0.5).unsqueeze(1)
+    return x.to(device, dtype), y.to(device, dtype)
+
+
+def as_array(tensor):
+    """A NumPy or CuPy array sharing ``tensor``'s memory."""
+    if tensor.is_cuda:
+        return cupy.from_dlpack(tensor)
+    if tensor.dtype == torch.bfloat16:  # NumPy knows bf16 only through ml_dtypes
+        import ml_dtypes
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def as_tensor(array):
+    """A torch tensor sharing ``array``'s memory (DLPack for CuPy)."""
+    if not isinstance(array, np.ndarray):
+        return torch.from_dlpack(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def train_zero1():
+    model = make_model()
+    named = dict(model.named_parameters())
+    opt = ZeroAdamW({k: as_array(p.detach()) for k, p in named.items()}, comm, lr=args.lr,
+                    weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM, param_dtype=args.dtype)
+    for name, p in named.items():  # from here on the model reads and writes the flat buffers
+        p.data = as_tensor(opt.params[name])
+        p.grad = as_tensor(opt.grads[name])
+    pointers = {k: (p.data_ptr(), p.grad.data_ptr()) for k, p in named.items()}
+    losses = []
+    for step in range(args.steps):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        loss.backward()                      # accumulates into opt.grads, in place
+        opt.step()                           # averages over ranks; leaves the grads zeroed
+        losses.append(comm.allreduce(loss.item()) / size)
+        log(step, losses[-1])
+    if any((p.data_ptr(), p.grad.data_ptr()) != pointers[k] for k, p in named.items()):
+        raise RuntimeError("a parameter or its .grad stopped being a view of the flat buffers")
+    return losses
+
+
+def train_ddp():
+    import torch.distributed as dist
+    port = comm.bcast(free_port() if rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for step in range(args.steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+        loss.backward()                      # DDP averages the gradients over ranks
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        losses.append(comm.allreduce(loss.item()) / size)
+        log(step, losses[-1])
+    dist.destroy_process_group()
+    return losses
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log(step, loss):
+    if step % args.log_every == 0 or step == args.steps - 1:
+        print0(f"step {step:4d} | loss {loss:.6f}")
+
+
+print0(f"torch_autograd: world_size={size} dtype={args.dtype} device={args.device} "
+       f"optimizer={'DDP + torch.optim.AdamW' if args.reference == 'ddp' else 'zero1_mpi'}")
+losses = train_ddp() if args.reference == "ddp" else train_zero1()
+print0(f"losses: {json.dumps(losses)}")
