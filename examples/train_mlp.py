@@ -121,7 +121,9 @@ def get_batch(step):
 init = init_mlp(np.random.default_rng(args.seed), sizes)
 init["w3"][...] = 0                      # zero output layer: the first loss is exactly ln(10)
 init = {k: xp.asarray(v) for k, v in init.items()}
-opt = ZeroAdamW(init, comm, lr=args.lr, weight_decay=1e-2, param_dtype=args.dtype)
+# fp16 needs loss scaling (small gradients underflow in 16 bits); clip the global norm at 1.
+opt = ZeroAdamW(init, comm, lr=args.lr, weight_decay=1e-2, param_dtype=args.dtype,
+                loss_scale="dynamic" if args.dtype == "float16" else None, max_grad_norm=1.0)
 psi = opt.layout.numel
 print0(f"train_mlp: world_size={size} psi={psi} dtype={opt.param_dtype.name} "
        f"backend={opt.backend} mlp={'-'.join(map(str, sizes))} batch={args.batch}x{size} "
@@ -133,15 +135,17 @@ def sync():
         xp.cuda.get_current_stream().synchronize()
 
 
-losses, last_logged, t0 = [], -1, time.perf_counter()
+losses, skipped, last_logged, t0 = [], 0, -1, time.perf_counter()
 for step in range(args.steps):
     x, y = get_batch(step)
     params = {k: v.astype(xp.float32, copy=False) for k, v in opt.params.items()}
     loss, grads = forward_backward(params, x, y)
     opt.zero_grad()
     for name, g in grads.items():
-        opt.grads[name][...] = g                 # rounds to the 16-bit grad dtype if need be
-    opt.step()                                   # average grads, sharded AdamW, all-gather
+        # d(loss * scale) = scale * d(loss): scaling here is scaling the loss before backward
+        opt.grads[name][...] = g * opt.loss_scale  # rounds to the 16-bit grad dtype
+    info = opt.step()                            # average grads, sharded AdamW, all-gather
+    skipped += info.skipped                      # overflowed fp16 steps (the scale backs off)
     losses.append(comm.allreduce(float(loss)) / size)   # mean over ranks, for the log
     if (step + 1) % args.log_every == 0 or step == 0 or step == args.steps - 1:
         sync()
@@ -157,4 +161,5 @@ print0(f"memory: {most} bytes/rank held (max over ranks); formula "
        f"{label} = {report.formula_bytes:.0f}; the difference is padding + comm scratch")
 tail = losses[-min(10, len(losses)):]
 print0(f"loss {losses[0]:.2f} -> {sum(tail) / len(tail):.2f} (mean of the last {len(tail)} steps)")
+print0(f"loss scale {opt.loss_scale:g}, {skipped} overflowed step(s) skipped")
 print0(f"final: first_loss={losses[0]:.4f} last_loss={sum(tail) / len(tail):.4f}")
