@@ -61,7 +61,8 @@ class ZeroAdam:
         max_grad_norm: clip the averaged gradient to this global L2 norm (None: no clipping).
         reduce_dtype: precision of the gradient sum over ranks. ``"float32"`` (default) sums
             in fp32: fp32 gradients with ``Reduce_scatter_block``, 16-bit ones exchanged with
-            ``Alltoall`` and summed locally in fp32 in rank order (deterministic; bf16 has no MPI type).
+            ``Alltoall`` and summed locally in fp32 in rank order (deterministic; MPI has no
+            bf16 type).
             ``"float16"`` (float16 gradients only) sums in MPI's float16 reduction.
         bucket_elements: size of a communication bucket, in elements.
         cuda_aware: whether MPI takes GPU buffers; None asks the environment and MPI.
