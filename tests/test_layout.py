@@ -35,6 +35,14 @@ def check_invariants(layout):
     assert position == layout.total
     assert sum(layout.owned_real(r) for r in range(world)) == layout.numel
     assert layout.shard_total * world == layout.total
+    owned = sorted((a, b) for r in range(world) for a, b, _ in layout.owned(r))
+    assert [a for a, _ in owned] == [0] + [b for _, b in owned[:-1]]  # a partition of [0, Ψ)
+    assert (owned[-1][1] if owned else 0) == layout.numel
+    for r in range(world):
+        assert sum(b - a for a, b, _ in layout.owned(r)) == layout.owned_real(r)
+        for a, _, s in layout.owned(r):
+            bucket = next(bk for bk in layout.buckets if bk.offset <= a < bk.offset + bk.size)
+            assert s == bucket.state.start and a == bucket.shard(r)[0]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

@@ -5,6 +5,7 @@ parameters on each of N ranks; the parameters and gradients stay replicated in f
 CuPy buffers that the model sees through named views.
 """
 
+from .checkpoint import CheckpointError
 from .comm import CollectiveError, Communicator
 from .layout import Layout, build_layout
 from .memory import MemoryReport
@@ -13,5 +14,5 @@ from .params import decay_groups
 from .scaler import LossScaler
 
 __all__ = ["ZeroAdam", "ZeroAdamW", "StepInfo", "LossScaler", "decay_groups", "MemoryReport",
-           "Communicator", "CollectiveError", "Layout", "build_layout"]
+           "Communicator", "CollectiveError", "CheckpointError", "Layout", "build_layout"]
 __version__ = "0.1.0"

@@ -174,6 +174,13 @@ class Communicator:
         self.comm.Allreduce(MPI.IN_PLACE, values, MPI.SUM)
         return values
 
+    def send(self, buf: np.ndarray, dest: int) -> None:
+        """Point to point, host buffers only (streaming checkpoints to one writer)."""
+        self.comm.Send(buf, dest=dest)
+
+    def recv(self, buf: np.ndarray, source: int) -> None:
+        self.comm.Recv(buf, source=source)
+
     def alltoall(self, send, recv) -> None:
         """Send block ``j`` of ``send`` to rank ``j``; receive block ``i`` from rank ``i``."""
         with self._host_view(send, "a2a_send", copy_out=False) as host_send, \

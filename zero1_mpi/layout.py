@@ -102,6 +102,17 @@ class Layout:
     def owned_real(self, rank: int) -> int:
         return sum(b.owned_real(rank) for b in self.buckets)
 
+    def owned(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(start, stop, state_start)`` of each flat range of real elements ``rank`` owns,
+        in order, with where that range begins in the rank's shard-sized state arrays."""
+        ranges = []
+        for bucket in self.buckets:
+            start, stop = bucket.shard(rank)
+            stop = min(stop, self.numel)
+            if start < stop:
+                ranges.append((start, stop, bucket.state.start))
+        return ranges
+
     @property
     def fingerprint(self) -> str:
         """A digest of everything that must agree across ranks before the first collective."""

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from . import backend
+from . import backend, checkpoint, export
 from .comm import CollectiveError, Communicator
 from .kernels import AdamScalars, make_adam
 from .layout import DEFAULT_BUCKET_ELEMENTS, build_layout
@@ -195,6 +195,29 @@ class ZeroAdam:
         self.step_count += 1
         self.scaler = self.scaler.update(overflow=False)
         return StepInfo(grad_norm, False, scale, clip, self.step_count)
+
+    def save(self, path, keep: int | None = None):
+        """Write a sharded checkpoint under the directory ``path`` (each rank writes its own
+        shard; the previous checkpoint stays loadable until this one is complete); keep the
+        newest ``keep`` checkpoints there (None: all). Must be called on all ranks. Returns
+        the new checkpoint's directory."""
+        return checkpoint.save(self, path, keep)
+
+    def load(self, path):
+        """Load the checkpoint at ``path`` (the directory given to ``save``, or one checkpoint
+        in it), saved at any world size. Must be called on all ranks. Nothing changes if the
+        checkpoint is bad: the error is raised on every rank."""
+        return checkpoint.load(self, path)
+
+    def save_consolidated(self, path):
+        """Write the full fp32 master weights and Adam state, by parameter name, to one
+        safetensors file, streaming through rank 0. Must be called on all ranks."""
+        return export.save_consolidated(self, path)
+
+    def load_consolidated(self, path):
+        """Load a file written by ``save_consolidated``, at any world size. Must be called
+        on all ranks."""
+        return export.load_consolidated(self, path)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured from the arrays it allocated."""

@@ -1,0 +1,343 @@
+"""Sharded checkpoints: saved without gathering, loaded at any world size, never half-written.
+
+A checkpoint *root* directory holds complete checkpoints ``ckpt-<step>-<time>/`` and a file
+``LATEST`` naming the current one. A checkpoint is ``manifest.json`` plus one ``shard-<rank>.npy``
+per saving rank: a float32 array whose rows are the master weights, exp_avg, exp_avg_sq (and,
+for 16-bit parameters, the parameters as exact fp32 values) over the flat ranges that rank
+owned. The manifest lists every file with its ranges, size and SHA-256, and the layout, step,
+options and loss-scaler state. Flat positions do not depend on the world size (tensors are
+packed from 0 and only the end is padded), so any number of ranks can load any checkpoint.
+
+``save`` writes into a hidden temporary directory; every rank syncs its file; then rank 0
+writes the manifest, renames the directory into place and replaces ``LATEST`` (atomic renames,
+each synced). A job killed at any moment leaves the previous checkpoint loadable. ``load``
+checks the manifest and every file it needs (size, header, checksum) before it changes
+anything, then reads slices through memory maps in bounded chunks. Nothing is unpickled.
+Both must be called on all ranks, with a path on a file system that every rank sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .backend import to_numpy
+from .scaler import LossScaler
+
+FORMAT = "zero1_mpi.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+ROWS = ("master", "exp_avg", "exp_avg_sq", "param")
+CHUNK = 1 << 20  # elements read or written at a time: 4 MiB of float32
+_NAME = re.compile(r"^ckpt-\d{8,}-\d+$")
+_SHARD = re.compile(r"^shard-\d{5,}\.npy$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded; raised on every rank."""
+
+
+# -- saving ----------------------------------------------------------------------------------
+
+def save(opt, path, keep: int | None = None) -> Path:
+    """Write a checkpoint of ``opt`` under the root ``path``; return its directory."""
+    comm, root = opt.comm, Path(path)
+    error = tmp_name = None
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        error = ValueError(f"keep={keep!r} must be None (keep all) or an integer >= 1")
+    elif comm.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp_name = f".tmp-{opt.step_count:08d}-{time.time_ns()}"
+            (root / tmp_name).mkdir()
+        except OSError as exc:
+            error = CheckpointError(f"cannot create a checkpoint under {root}: {exc}")
+    comm.agree(error)
+    tmp = root / comm.comm.bcast(tmp_name)
+
+    info = error = None
+    try:
+        info = _write_shard(opt, tmp / f"shard-{comm.rank:05d}.npy")
+    except OSError as exc:
+        error = CheckpointError(f"cannot write {tmp.name}/shard-{comm.rank:05d}.npy: {exc}")
+    comm.agree(error)
+    infos = comm.comm.gather(info, root=0)
+
+    final = error = None
+    if comm.rank == 0:
+        try:
+            final = _publish(opt, root, tmp, infos, keep)
+        except OSError as exc:
+            error = CheckpointError(f"cannot publish the checkpoint under {root}: {exc}")
+    comm.agree(error)
+    return root / comm.comm.bcast(final)
+
+
+def _row_views(opt, lo: int, hi: int, state: int) -> list:
+    """This rank's state over flat ``[lo, hi)`` (which starts at ``state`` in its shard
+    arrays), one view per row of ``ROWS`` that this optimizer keeps."""
+    s = slice(state, state + hi - lo)
+    master = opt._master[s] if opt._mixed else opt._params[lo:hi]
+    views = [master, opt._exp_avg[s], opt._exp_avg_sq[s]]
+    return views + [opt._params[lo:hi]] if opt._mixed else views
+
+
+def _write_shard(opt, file: Path) -> dict:
+    ranges = opt.layout.owned(opt.rank)
+    count = sum(hi - lo for lo, hi, _ in ranges)
+    rows = len(_row_views(opt, 0, 0, 0))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False,
+                                                  "shape": (rows, count)})
+    digest = hashlib.sha256(header.getvalue())
+    size = len(header.getvalue())
+    with open(file, "wb") as f:
+        f.write(header.getvalue())
+        for row in range(rows):
+            for lo, hi, state in ranges:
+                for start in range(lo, hi, CHUNK):
+                    stop = min(hi, start + CHUNK)
+                    view = _row_views(opt, start, stop, state + start - lo)[row]
+                    data = np.ascontiguousarray(to_numpy(view), dtype="<f4").data
+                    f.write(data)
+                    digest.update(data)
+                    size += data.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": file.name, "bytes": size, "sha256": digest.hexdigest(),
+            "ranges": [[lo, hi] for lo, hi, _ in ranges]}
+
+
+def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
+    manifest = {
+        "format": FORMAT, "version": VERSION, "saved_at": time.time(),
+        "world_size": opt.world_size, "step": opt.step_count,
+        "param_dtype": opt.param_dtype.name, "numel": opt.layout.numel,
+        "rows": list(ROWS[:3 + opt._mixed]),
+        "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
+                    for t in opt.layout.tensors],
+        "param_groups": [{**g, "names": list(g["names"]), "betas": list(g["betas"])}
+                         for g in opt.param_groups],
+        "decoupled_weight_decay": opt.decoupled_weight_decay,
+        "max_grad_norm": opt.max_grad_norm, "loss_scaler": opt.scaler.state(),
+        "files": infos,
+    }
+    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _sync_dir(tmp)
+    final = f"ckpt-{opt.step_count:08d}-{tmp.name.rsplit('-', 1)[1]}"
+    os.rename(tmp, root / final)
+    _sync_dir(root)
+    _write_synced(root / f".{LATEST}.tmp", final.encode())
+    os.replace(root / f".{LATEST}.tmp", root / LATEST)
+    _sync_dir(root)
+    _prune(root, final, keep)
+    return final
+
+
+def _prune(root: Path, latest: str, keep: int | None) -> None:
+    """Remove what crashed saves left, and complete checkpoints beyond the newest ``keep``."""
+    for entry in root.iterdir():
+        if entry.name.startswith(".tmp-") and entry.is_dir():
+            _remove_tree(entry)
+    if keep is None:
+        return
+    complete = sorted((e for e in root.iterdir() if _NAME.match(e.name) and e.is_dir()),
+                      key=lambda e: int(e.name.rsplit("-", 1)[1]))
+    for entry in complete[:-keep]:
+        if entry.name != latest:
+            _remove_tree(entry)
+
+
+def _remove_tree(path: Path) -> None:
+    for entry in path.iterdir():
+        entry.unlink()
+    path.rmdir()
+
+
+def _write_synced(file: Path, data: bytes) -> None:
+    with open(file, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+def load(opt, path) -> Path:
+    """Load the checkpoint at ``path`` (a root with ``LATEST``, or one checkpoint directory)
+    into ``opt``, whatever world size saved it; return the checkpoint directory."""
+    comm = opt.comm
+    error = reads = manifest = ckpt = None
+    try:
+        ckpt = resolve(Path(path))
+        manifest = read_manifest(ckpt)
+        check_compatible(opt, manifest, ckpt)
+        reads = plan_reads(opt.layout.owned(opt.rank), manifest["files"])
+        needed = {read[0] for read in reads}
+        for index, entry in enumerate(manifest["files"]):
+            if entry["file"] in needed:
+                _check_header(ckpt, entry, len(manifest["rows"]))
+            if index % comm.size == comm.rank:  # every file is hashed by one rank
+                _check_checksum(ckpt, entry)
+    except CheckpointError as exc:
+        error = exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        error = CheckpointError(f"cannot load a checkpoint from {path}: {exc}")
+    comm.agree(error)
+
+    with comm.abort_on_error(f"while reading the checkpoint {ckpt}"):
+        maps = {}
+        for file, column, lo, hi, state in reads:
+            if file not in maps:
+                maps[file] = np.load(ckpt / file, mmap_mode="r", allow_pickle=False)
+            for start in range(lo, hi, CHUNK):
+                stop = min(hi, start + CHUNK)
+                columns = slice(column + start - lo, column + stop - lo)
+                for row, view in enumerate(_row_views(opt, start, stop, state + start - lo)):
+                    view[...] = opt._xp.asarray(maps[file][row, columns]).astype(view.dtype)
+        del maps
+        for bucket in opt.layout.buckets:
+            opt.comm.allgather_inplace(opt._params[bucket.offset:bucket.offset + bucket.size])
+        _restore_counters(opt, manifest)
+    return ckpt
+
+
+def _restore_counters(opt, manifest: dict) -> None:
+    opt.step_count = manifest["step"]
+    opt.scaler = LossScaler.from_state(manifest["loss_scaler"])
+    for group, saved in zip(opt.param_groups, manifest["param_groups"]):
+        group.update({k: saved[k] for k in ("lr", "eps", "weight_decay")},
+                     betas=tuple(saved["betas"]))
+
+
+def resolve(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or the one its ``LATEST`` names."""
+    if (path / MANIFEST).is_file():
+        return path
+    latest = path / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: it holds neither {MANIFEST} nor "
+                              f"{LATEST} (pass the directory given to save())")
+    name = latest.read_text().strip()
+    if not _NAME.match(name):
+        raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint of this "
+                              "root (expected ckpt-<step>-<time>): it may point outside it")
+    if not (path / name / MANIFEST).is_file():
+        raise CheckpointError(f"{latest} names {name!r}, but {path / name / MANIFEST} is "
+                              "missing")
+    return path / name
+
+
+def read_manifest(ckpt: Path) -> dict:
+    file = ckpt / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file} cannot be read as JSON: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a zero1_mpi checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{file} has format version {manifest.get('version')!r}; this "
+                              f"zero1_mpi reads version {VERSION}: load it with the version "
+                              "that wrote it")
+    for entry in manifest["files"]:
+        name = entry["file"]
+        if not isinstance(name, str) or not _SHARD.match(name) or Path(name).name != name:
+            raise CheckpointError(f"{file} lists the file {name!r}, which is not a shard name "
+                                  "(shard-<rank>.npy): it may point outside the checkpoint")
+    covered = sorted((lo, hi) for entry in manifest["files"] for lo, hi in entry["ranges"])
+    ends = [0] + [hi for _, hi in covered]
+    if [lo for lo, _ in covered] != ends[:-1] or ends[-1] != manifest["numel"] \
+            or any(lo >= hi for lo, hi in covered):
+        raise CheckpointError(f"{file}: the files' ranges do not cover the "
+                              f"{manifest['numel']} parameters exactly once")
+    return manifest
+
+
+def check_compatible(opt, manifest: dict, ckpt: Path) -> None:
+    """The checkpoint must hold the same tensors, dtype and param groups as ``opt``."""
+    mine = [(t.name, list(t.shape)) for t in opt.layout.tensors]
+    theirs = [(t["name"], list(t["shape"])) for t in manifest["tensors"]]
+    if mine != theirs:
+        if len(mine) != len(theirs):
+            diff = f"{len(theirs)} tensors, the optimizer {len(mine)}"
+        else:
+            a, b = next((a, b) for a, b in zip(theirs, mine) if a != b)
+            diff = f"{a[0]!r} with shape {tuple(a[1])}, the optimizer {b[0]!r} with shape " \
+                   f"{tuple(b[1])}"
+        raise CheckpointError(f"{ckpt} holds different parameters: the checkpoint has {diff}: "
+                              "build the optimizer with the names and shapes it was saved with")
+    if manifest["param_dtype"] != opt.param_dtype.name:
+        raise CheckpointError(f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
+                              f"the optimizer has {opt.param_dtype.name!r}: use the same")
+    groups = [list(g["names"]) for g in manifest["param_groups"]]
+    if groups != [list(g["names"]) for g in opt.param_groups]:
+        raise CheckpointError(f"{ckpt} has other param groups ({[len(g) for g in groups]} "
+                              "tensors per group): build the optimizer with the same groups")
+
+
+def plan_reads(owned, files) -> list[tuple[str, int, int, int, int]]:
+    """``(file, first column, lo, hi, state)`` for every piece of the flat ranges this rank
+    owns (``owned``: ``(lo, hi, state)``) that a saved file holds."""
+    reads = []
+    for entry in files:
+        column = 0
+        for f_lo, f_hi in entry["ranges"]:
+            for lo, hi, state in owned:
+                a, b = max(lo, f_lo), min(hi, f_hi)
+                if a < b:
+                    reads.append((entry["file"], column + a - f_lo, a, b, state + a - lo))
+            column += f_hi - f_lo
+    return reads
+
+
+def _check_header(ckpt: Path, entry: dict, rows: int) -> None:
+    file = ckpt / entry["file"]
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    if file.stat().st_size != entry["bytes"]:
+        raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says "
+                              f"{entry['bytes']}: it is truncated or was replaced")
+    count = sum(hi - lo for lo, hi in entry["ranges"])
+    readers = {(1, 0): np.lib.format.read_array_header_1_0,
+               (2, 0): np.lib.format.read_array_header_2_0}
+    with open(file, "rb") as f:
+        try:
+            reader = readers.get(np.lib.format.read_magic(f))
+            if reader is None:
+                raise ValueError("unknown .npy version")
+            shape, fortran, dtype = reader(f)
+        except ValueError as exc:
+            raise CheckpointError(f"{file} is not a NumPy array file: {exc}") from None
+    if (shape, fortran, dtype) != ((rows, count), False, np.dtype("<f4")):
+        raise CheckpointError(f"{file} holds a {dtype} array of shape {shape}; the manifest "
+                              f"needs float32 of shape {(rows, count)}")
+
+
+def _check_checksum(ckpt: Path, entry: dict) -> None:
+    file = ckpt / entry["file"]
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    if digest.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{file} does not match its checksum in the manifest: it is "
+                              "corrupted")

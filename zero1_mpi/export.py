@@ -1,0 +1,185 @@
+"""One consolidated file of the full fp32 optimizer state, by parameter name, for other tools.
+
+The file is in the safetensors format: an 8-byte little-endian header length, a JSON header
+giving each tensor's dtype, shape and byte range, then the raw little-endian data. It holds
+``master/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` in float32, and, in
+``__metadata__``, the step, loss-scaler state and param groups. ``safetensors.numpy.load_file``
+or a few lines of NumPy read it. Both directions stream: rank 0 writes pieces that the owning
+ranks send it in bounded chunks, and each rank reads only the slices it owns, so no rank ever
+holds the full state. The file appears by an atomic rename once complete. Both functions must
+be called on all ranks, with a path every rank sees (for loading).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .backend import to_numpy
+from .checkpoint import CHUNK, CheckpointError, _row_views
+from .scaler import LossScaler
+
+FORMAT = "zero1_mpi.consolidated"
+VERSION = "1"
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def save_consolidated(opt, path) -> Path:
+    """Write ``opt``'s full fp32 state to the single file ``path``."""
+    comm, file = opt.comm, Path(path)
+    tmp = file.with_name(f".{file.name}.tmp-{comm.comm.bcast(time.time_ns())}")
+    out = error = None
+    if comm.rank == 0:
+        try:
+            header = _header(opt)
+            file.parent.mkdir(parents=True, exist_ok=True)
+            out = open(tmp, "wb")
+            out.write(struct.pack("<Q", len(header)) + header)
+        except OSError as exc:
+            error = CheckpointError(f"cannot write {file}: {exc}")
+    comm.agree(error)
+
+    with comm.abort_on_error(f"while writing {file}"):
+        received = np.empty(CHUNK, np.float32) if comm.rank == 0 else None
+        for row in range(len(KINDS)):
+            for owner, lo, hi, state in _pieces_in_flat_order(opt.layout):
+                for start in range(lo, hi, CHUNK):
+                    stop = min(hi, start + CHUNK)
+                    if comm.rank == owner:
+                        view = _row_views(opt, start, stop, state + start - lo)[row]
+                        data = np.ascontiguousarray(to_numpy(view), dtype="<f4")
+                        if owner == 0:
+                            out.write(data.data)
+                        else:
+                            comm.send(data, dest=0)
+                    elif comm.rank == 0:
+                        comm.recv(received[:stop - start], source=owner)
+                        out.write(received[:stop - start].data)
+
+    error = None
+    if comm.rank == 0:
+        try:
+            out.flush()
+            os.fsync(out.fileno())
+            out.close()
+            os.replace(tmp, file)
+        except OSError as exc:
+            error = CheckpointError(f"cannot write {file}: {exc}")
+    comm.agree(error)
+    return file
+
+
+def load_consolidated(opt, path) -> Path:
+    """Load a file written by ``save_consolidated`` (at any world size) into ``opt``."""
+    comm, file = opt.comm, Path(path)
+    error = entries = data_start = metadata = None
+    try:
+        entries, data_start, metadata = _read_header(opt, file)
+    except CheckpointError as exc:
+        error = exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        error = CheckpointError(f"cannot load {file}: {exc}")
+    comm.agree(error)
+
+    with comm.abort_on_error(f"while reading {file}"), open(file, "rb") as f:
+        buffer = np.empty(CHUNK, np.float32)
+        for lo, hi, state in opt.layout.owned(comm.rank):
+            for tensor, a, b in opt.layout.pieces(lo, hi):
+                for start in range(a, b, CHUNK):
+                    stop = min(b, start + CHUNK)
+                    views = _row_views(opt, start, stop, state + start - lo)
+                    for row, kind in enumerate(KINDS):
+                        begin = entries[f"{kind}/{tensor.name}"][0]
+                        f.seek(data_start + begin + 4 * (start - tensor.offset))
+                        chunk = buffer[:stop - start]
+                        if f.readinto(chunk.view(np.uint8)) != chunk.nbytes:
+                            raise CheckpointError(f"{file} ended early")
+                        views[row][...] = opt._xp.asarray(chunk)
+                    if opt._mixed:  # the 16-bit parameters are the rounded masters
+                        views[3][...] = views[0].astype(opt.param_dtype)
+        for bucket in opt.layout.buckets:
+            comm.allgather_inplace(opt._params[bucket.offset:bucket.offset + bucket.size])
+        opt.step_count = int(metadata["step"])
+        opt.scaler = LossScaler.from_state(json.loads(metadata["loss_scaler"]))
+        for group, saved in zip(opt.param_groups, json.loads(metadata["param_groups"])):
+            group.update({k: saved[k] for k in ("lr", "eps", "weight_decay")},
+                         betas=tuple(saved["betas"]))
+    return file
+
+
+def _pieces_in_flat_order(layout):
+    """``(owner, lo, hi, state)``: the real elements of the flat range, in order, by owner."""
+    for bucket in layout.buckets:
+        for owner in range(layout.world_size):
+            lo, hi = bucket.shard(owner)
+            hi = min(hi, layout.numel)
+            if lo < hi:
+                yield owner, lo, hi, bucket.state.start
+
+
+def _header(opt) -> bytes:
+    header = {"__metadata__": {
+        "format": FORMAT, "version": VERSION, "step": str(opt.step_count),
+        "param_dtype": opt.param_dtype.name,
+        "loss_scaler": json.dumps(opt.scaler.state()),
+        "param_groups": json.dumps([{**g, "names": list(g["names"])}
+                                    for g in opt.param_groups])}}
+    offset = 0
+    for kind in KINDS:
+        for t in opt.layout.tensors:
+            header[f"{kind}/{t.name}"] = {"dtype": "F32", "shape": list(t.shape),
+                                          "data_offsets": [offset, offset + 4 * t.numel]}
+            offset += 4 * t.numel
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return text + b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+
+
+def _read_header(opt, file: Path):
+    """``({key: (begin, end)}, first data byte, metadata)`` after checking everything."""
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file} is too short to be a consolidated state file")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise CheckpointError(f"{file}: its header claims {length} bytes, the file has "
+                                  f"{size - 8} after the length: it is truncated or corrupted")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{file}: its header is not JSON: {exc}") from None
+    metadata = header.get("__metadata__", {})
+    if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
+        raise CheckpointError(f"{file} is not a zero1_mpi consolidated state file of version "
+                              f"{VERSION} (metadata: {metadata.get('format')!r} version "
+                              f"{metadata.get('version')!r})")
+    entries, data_bytes = {}, size - 8 - length
+    for kind in KINDS:
+        for t in opt.layout.tensors:
+            key = f"{kind}/{t.name}"
+            info = header.get(key)
+            if info is None:
+                raise CheckpointError(f"{file} has no tensor {key!r}: it was saved from "
+                                      "other parameters")
+            if info.get("dtype") != "F32" or list(info.get("shape", [])) != list(t.shape):
+                raise CheckpointError(f"{file}: {key!r} is {info.get('dtype')} of shape "
+                                      f"{tuple(info.get('shape', []))}, the optimizer needs "
+                                      f"F32 of shape {t.shape}")
+            begin, end = info["data_offsets"]
+            if end - begin != 4 * t.numel or not 0 <= begin <= end <= data_bytes:
+                raise CheckpointError(f"{file}: {key!r} lies outside the file's data "
+                                      f"({begin}..{end} of {data_bytes} bytes): truncated?")
+            entries[key] = (begin, end)
+    groups = [g["names"] for g in json.loads(metadata["param_groups"])]
+    if groups != [list(g["names"]) for g in opt.param_groups]:
+        raise CheckpointError(f"{file} has other param groups: build the optimizer with the "
+                              "groups it was saved with")
+    return entries, 8 + length, metadata
