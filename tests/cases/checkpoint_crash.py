@@ -1,0 +1,97 @@
+"""A job killed at any moment of ``save`` leaves the previous checkpoint loadable.
+
+    mpiexec -n N python -m mpi4py tests/cases/checkpoint_crash.py prepare DIR
+    mpiexec -n N python -m mpi4py tests/cases/checkpoint_crash.py crash DIR <moment>
+    mpiexec -n N python -m mpi4py tests/cases/checkpoint_crash.py check DIR
+
+``prepare`` trains, saves a good checkpoint and exports its state. ``crash`` loads it, trains
+on and kills one rank (SIGKILL, no cleanup) at ``moment`` of the next save: ``mid-shard``
+(the last rank, halfway through writing its file), ``before-rename`` (rank 0, all files
+written and synced), ``before-latest`` (rank 0, the new directory in place but LATEST not yet
+replaced). ``check`` loads the root again: it must be the good checkpoint, bit for bit, and
+the next save must succeed and clear what the crash left.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+import zero1_mpi.checkpoint as checkpoint
+from zero1_mpi import ZeroAdamW
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+
+
+def make():
+    init = {"w": np.linspace(-1, 1, 3000, dtype=np.float32), "b": np.ones(11, np.float32)}
+    return ZeroAdamW(init, comm, lr=1e-2, param_dtype="bfloat16", bucket_elements=1000)
+
+
+def train(opt, steps):
+    for step in steps:
+        for k, g in opt.grads.items():
+            g[...] = np.random.default_rng([step, rank]).standard_normal(g.shape)
+        opt.step()
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def prepare(directory):
+    opt = make()
+    train(opt, range(3))
+    opt.save(directory / "root")
+    opt.save_consolidated(directory / "good.safetensors")
+
+
+def crash(directory, moment):
+    opt = make()
+    opt.load(directory / "root")
+    train(opt, range(3, 5))
+    if moment == "mid-shard" and rank == size - 1:
+        calls = []
+        original = checkpoint._row_views
+
+        def dying_row_views(*args):
+            calls.append(1)
+            if len(calls) == 3:  # some rows are on disk, the rest never will be
+                die()
+            return original(*args)
+        checkpoint._row_views = dying_row_views
+    elif moment == "before-rename" and rank == 0:
+        checkpoint.os.rename = lambda *args: die()
+    elif moment == "before-latest" and rank == 0:
+        checkpoint.os.replace = lambda *args: die()
+    opt.save(directory / "root")
+    print("UNREACHABLE: the save finished on rank", rank, flush=True)
+
+
+def check(directory):
+    opt = make()
+    opt.load(directory / "root")
+    assert opt.step_count == 3, opt.step_count
+    opt.save_consolidated(directory / "after-crash.safetensors")
+    if rank == 0:
+        good = (directory / "good.safetensors").read_bytes()
+        assert (directory / "after-crash.safetensors").read_bytes() == good, "state differs"
+    train(opt, range(3, 4))
+    opt.save(directory / "root", keep=1)
+    comm.Barrier()
+    left = sorted(p.name for p in (directory / "root").iterdir())
+    assert len(left) == 2 and "LATEST" in left, left  # one checkpoint; the debris is gone
+    if rank == 0:
+        print(f"OK crash recovery on {size} ranks: left {left}")
+
+
+if __name__ == "__main__":
+    phase, where = sys.argv[1], Path(sys.argv[2])
+    if phase == "crash":
+        crash(where, sys.argv[3])
+    else:
+        {"prepare": prepare, "check": check}[phase](where)
