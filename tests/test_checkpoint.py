@@ -3,6 +3,7 @@
 import pytest
 
 from mpirun import run_mpi
+from zero1_mpi.checkpoint import plan_reads
 
 RANKS = [1, 2, 3, 4]
 
@@ -30,3 +31,42 @@ def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, n, m
 def test_bad_checkpoints_are_refused_on_every_rank(tmp_path, n):
     out = run_mpi(n, "checkpoint_errors.py", str(tmp_path), timeout=120).stdout
     assert f"OK bad checkpoints: 13 cases on {n} ranks" in out
+
+
+def test_plan_reads_maps_saved_ranges_onto_owned_ones():
+    # Saved by 2 ranks with two buckets each; now owned: [5, 25) starting at state 0, and
+    # [40, 44) starting at state 20.
+    files = [{"file": "shard-00000.npy", "ranges": [[0, 10], [20, 30]]},
+             {"file": "shard-00001.npy", "ranges": [[10, 20], [30, 44]]}]
+    reads = plan_reads([(5, 25, 0), (40, 44, 20)], files)
+    assert sorted(reads) == sorted([
+        ("shard-00000.npy", 5, 5, 10, 0),     # column 5 of file 0 holds flat 5
+        ("shard-00000.npy", 10, 20, 25, 15),  # its second range starts at column 10
+        ("shard-00001.npy", 0, 10, 20, 5),
+        ("shard-00001.npy", 10 + 10, 40, 44, 20),
+    ])
+    assert sum(hi - lo for _, _, lo, hi, _ in reads) == 20 + 4
+
+
+def test_the_export_is_a_safetensors_file(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    np = pytest.importorskip("numpy")
+    from mpi4py import MPI
+
+    from zero1_mpi import ZeroAdamW
+
+    init = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "s": np.float32(2.0)}
+    opt = ZeroAdamW(init, MPI.COMM_SELF, param_dtype="bfloat16")  # a NumPy scalar is 0-d
+    for _ in range(2):
+        opt.grads["w"][...] = 1.0
+        opt.step()
+    opt.save_consolidated(tmp_path / "state.safetensors")
+    loaded = safetensors_numpy.load_file(tmp_path / "state.safetensors")
+    assert sorted(loaded) == sorted(f"{kind}/{name}" for kind in ("master", "exp_avg",
+                                                                  "exp_avg_sq") for name in init)
+    for t in opt.layout.tensors:
+        flat = slice(t.offset, t.offset + t.numel)  # one rank: state index == flat index
+        assert np.array_equal(loaded[f"master/{t.name}"].reshape(-1), opt._master[flat])
+        assert np.array_equal(loaded[f"exp_avg_sq/{t.name}"].reshape(-1), opt._exp_avg_sq[flat])
+        assert loaded[f"exp_avg/{t.name}"].shape == t.shape
+    assert loaded["exp_avg/w"].min() > 0 and not loaded["exp_avg/s"].any()

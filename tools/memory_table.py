@@ -14,11 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +23,9 @@ try:
 except ImportError:
     sys.path.insert(0, str(ROOT))
 from zero1_mpi.memory import MemoryReport, format_param_count, format_table, parse_param_count
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import run_ranks  # noqa: E402
 
 TABLE_PARAMS, TABLE_GPUS = 7 * 10**9, [1, 4, 8, 16, 32, 64, 128]
 MEASURE_PARAMS, MEASURE_GPUS = 10 * 10**6, [1, 2, 4]
@@ -73,46 +71,15 @@ def worker(psi: int, dtype: str) -> None:
         print(json.dumps({"world_size": comm.size, "reports": reports}), flush=True)
 
 
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on timeout kill that group (ranks included)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise RuntimeError(f"`{shlex.join(cmd)}` did not finish in {timeout:g} s (raise "
-                           f"--timeout or lower --params):\n{out}{err}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def measure(psi: int, gpus, dtype: str = "float16", mpiexec: str = "mpiexec",
             timeout: float = 300.0) -> dict[int, list[MemoryReport]]:
     """``{N: [report of rank 0, ..., rank N-1]}`` from one ``mpiexec -n N`` run per N."""
-    launcher = shlex.split(mpiexec)
-    if not launcher or shutil.which(launcher[0]) is None:
-        raise RuntimeError(f"MPI launcher {mpiexec!r} not found on PATH: install one "
-                           f"(pip install mpich) or pass --mpiexec /path/to/mpiexec")
     results = {}
     for n in gpus:
-        cmd = [*launcher, "-n", str(n), sys.executable, "-m", "mpi4py", str(Path(__file__)
-               .resolve()), "--worker", "--params", str(psi), "--dtype", dtype]
-        proc = _run(cmd, timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"`{shlex.join(cmd)}` exited with {proc.returncode}:\n"
-                               f"{proc.stdout}{proc.stderr}")
-        found = None
-        for line in reversed(proc.stdout.splitlines()):
-            try:
-                found = json.loads(line)
-                break
-            except ValueError:
-                continue
-        if not found or found.get("world_size") != n or len(found.get("reports", ())) != n:
-            raise RuntimeError(f"`{shlex.join(cmd)}` did not print the reports of {n} ranks "
-                               f"(did the launcher start {n} singletons?):\n"
-                               f"{proc.stdout}{proc.stderr}")
+        found = run_ranks(n, str(Path(__file__).resolve()),
+                          ["--worker", "--params", str(psi), "--dtype", dtype], mpiexec, timeout)
+        if len(found.get("reports", ())) != n:
+            raise RuntimeError(f"the worker on {n} ranks returned {found!r}")
         results[n] = [MemoryReport(**d) for d in found["reports"]]
     return results
 

@@ -32,8 +32,8 @@ def is_device_array(array) -> bool:
 
 
 def backend_name(array) -> str | None:
-    """``"numpy"``, ``"cupy"``, or None for anything that is neither."""
-    if isinstance(array, np.ndarray):
+    """``"numpy"`` (NumPy arrays and scalars), ``"cupy"``, or None for anything else."""
+    if isinstance(array, (np.ndarray, np.generic)):
         return "numpy"
     if is_device_array(array) and hasattr(array, "__cuda_array_interface__"):
         return "cupy"
