@@ -119,6 +119,7 @@ def _write_shard(opt, file: Path) -> dict:
 def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
     manifest = {
         "format": FORMAT, "version": VERSION, "saved_at": time.time(),
+        "fingerprint": fingerprint(opt),
         "world_size": opt.world_size, "step": opt.step_count,
         "param_dtype": opt.param_dtype.name, "numel": opt.layout.numel,
         "rows": list(ROWS[:3 + opt._mixed]),
@@ -290,6 +291,15 @@ def check_compatible(opt, manifest: dict, ckpt: Path) -> None:
     if groups != [list(g["names"]) for g in opt.param_groups]:
         raise CheckpointError(f"{ckpt} has other param groups ({[len(g) for g in groups]} "
                               "tensors per group): build the optimizer with the same groups")
+    if manifest.get("fingerprint") != fingerprint(opt):
+        raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the optimizer's")
+
+
+def fingerprint(opt) -> str:
+    """What a checkpoint and an optimizer must share, independent of the world size."""
+    text = repr(([(t.name, t.shape) for t in opt.layout.tensors], opt.param_dtype.name,
+                 [list(g["names"]) for g in opt.param_groups]))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def plan_reads(owned, files) -> list[tuple[str, int, int, int, int]]:
