@@ -37,7 +37,9 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool =
 
     ``script`` is a case name of ``tests/cases`` or a path from the root (``examples/...``).
     ``abort_on_exception=False`` runs plain ``python script`` instead of ``python -m mpi4py``.
-    A ``SLURM_NTASKS`` of the surrounding job is dropped (the runs are not srun steps).
+    A ``SLURM_NTASKS`` of the surrounding job is dropped (the runs are not srun steps). Cases
+    use the NumPy kernel unless ``env`` says otherwise: the Numba one is bitwise the same
+    (tests/test_kernels.py) and costs every short-lived rank its start-up.
     """
     path = script if "/" in script else str((CASES / script).relative_to(ROOT))
     runner = ["-m", "mpi4py"] if abort_on_exception else []
@@ -46,6 +48,7 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool =
                                   os.environ.get("PYTHONPATH", "")])
     full_env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS"}
     full_env.update({"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1",
+                     "ZERO1_MPI_KERNEL": "numpy",
                      "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                      **(env or {})})
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -23,6 +23,7 @@ LAUNCH = "mpiexec -n 4 python -m mpi4py examples/train_mlp.py"
 
 def run_example(n: int, *args: str, env: dict | None = None, timeout: float = 120):
     """``(returncode, stdout + stderr)`` of the example on ``n`` ranks."""
+    env = {"ZERO1_MPI_KERNEL": "auto", **(env or {})}  # as a user runs it: Numba if installed
     result = run_mpi(n, "examples/train_mlp.py", *args, env=env, timeout=timeout, check=False)
     return result.returncode, result.stdout + result.stderr
 

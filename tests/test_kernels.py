@@ -90,3 +90,76 @@ def test_a_step_allocates_no_per_element_memory(dtype_name, limit):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < limit, f"a step over {n} elements allocated {peak} bytes"
+
+
+# -- the Numba fast path: the same bits as the NumPy twin --------------------------------------
+
+numba_kernels = pytest.importorskip("zero1_mpi.kernels_numba", reason="Numba is not installed")
+ENCODINGS = ["float32", "float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("grad_dtype", ENCODINGS)
+@pytest.mark.parametrize("param_dtype", ENCODINGS)
+@pytest.mark.parametrize("decoupled, weight_decay", [(False, 0.0), (False, 0.1), (True, 0.1)])
+def test_numba_kernel_is_bitwise_the_numpy_twin(grad_dtype, param_dtype, decoupled,
+                                                weight_decay):
+    rng = np.random.default_rng(5)
+    n = 3 * numba_kernels.CHUNK + 17  # several chunks and a remainder
+    master = rng.standard_normal(n).astype(np.float32)
+    mixed = param_dtype != "float32"
+    twins = []
+    for kernel in (NumpyAdam(chunk=1000), numba_kernels.NumbaAdam()):
+        state = [master.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32),
+                 master.astype(resolve_dtype(param_dtype)) if mixed else None]
+        for step in range(1, 5):
+            grad = (np.random.default_rng(step).standard_normal(n) * 3).astype(
+                resolve_dtype(grad_dtype))
+            kernel(grad, *state, AdamScalars.for_step(
+                step, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay,
+                decoupled=decoupled, grad_scale=0.25))
+        twins.append(state)
+    for a, b in zip(*twins):
+        if a is not None:
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+SPECIAL = np.array([0.0, -0.0, 1.0, -2.5, 65504, 65519.99, 65520, 1e9, -1e9, 6e-8, 3e-8,
+                    2.98e-8, 6.1035e-5, 6.1e-5, 1.0009765625, 1.00048828125, 3.4e38, 1e-40,
+                    np.inf, -np.inf], np.float32)
+
+
+@pytest.mark.parametrize("dtype, convert", [("float16", "_f32_to_f16"),
+                                            ("bfloat16", "_f32_to_bf16")])
+def test_numba_rounding_to_16_bits_matches_numpy(dtype, convert):
+    rng = np.random.default_rng(0)
+    values = np.concatenate([SPECIAL, (rng.standard_normal(200_000) * 10.0 ** rng.integers(
+        -9, 6, 200_000)).astype(np.float32)])
+    out = np.empty(values.size, np.uint16)
+    getattr(numba_kernels, convert)(values, values.size, out, 0)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out, values.astype(resolve_dtype(dtype)).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_numba_sums_of_blocks_and_squares(dtype):
+    rng = np.random.default_rng(1)
+    blocks = (rng.standard_normal((3, 10_001)) * 4).astype(resolve_dtype(dtype))
+    want, got = np.empty(10_001, np.float32), np.empty(10_001, np.float32)
+    NumpyAdam.sum_blocks(blocks, want)
+    numba_kernels.NumbaAdam().sum_blocks(blocks, got)
+    assert np.array_equal(want, got)  # the same fp32 additions in the same order
+    kernel = numba_kernels.NumbaAdam()
+    exact = float(np.sum(np.asarray(blocks[0], np.float64) ** 2))
+    assert kernel.sum_of_squares(blocks[0]) == pytest.approx(exact, rel=1e-12)
+    assert kernel.sum_of_squares(got) == pytest.approx(NumpyAdam().sum_of_squares(got),
+                                                       rel=1e-6)
+    assert np.isnan(kernel.sum_of_squares(np.array([1.0, np.nan], np.float32)))
+
+
+def test_kernel_choice(monkeypatch):
+    from zero1_mpi.kernels import KERNEL_ENV, resolve_cpu_kernel
+    assert resolve_cpu_kernel({KERNEL_ENV: "numpy"}) == "numpy"
+    assert resolve_cpu_kernel({KERNEL_ENV: "numba"}) == "numba"
+    assert resolve_cpu_kernel({}) == "numba"  # auto: Numba where it imports
+    with pytest.raises(ValueError, match=f"{KERNEL_ENV}='fast'"):
+        resolve_cpu_kernel({KERNEL_ENV: "fast"})

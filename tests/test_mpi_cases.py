@@ -9,9 +9,9 @@ from mpirun import run_mpi
 RANKS = [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("n", RANKS)
-def test_parity_with_single_process_adam(n):
-    out = run_mpi(n, "parity.py", timeout=300).stdout
+@pytest.mark.parametrize("n, kernel", [(n, "numpy") for n in RANKS] + [(2, "auto"), (3, "auto")])
+def test_parity_with_single_process_adam(n, kernel):
+    out = run_mpi(n, "parity.py", timeout=300, env={"ZERO1_MPI_KERNEL": kernel}).stdout
     assert f"OK parity: 30 cases x 20 steps on {n} ranks (numpy)" in out
 
 

@@ -13,6 +13,7 @@ and the other step-dependent factors are host scalars computed once per step by
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,8 @@ from . import backend
 
 #: Elements per NumPy chunk: the fp32 scratch (2 x 256 KiB) stays in cache.
 NUMPY_CHUNK = 1 << 16
+#: Which CPU kernel to use: "auto" (Numba where it imports, else NumPy), "numba" or "numpy".
+KERNEL_ENV = "ZERO1_MPI_KERNEL"
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,13 @@ class NumpyAdam:
                 np.copyto(chunk, x[start:start + self.chunk], casting="unsafe")
             total += float(np.dot(chunk, chunk))
         return total
+
+    @staticmethod
+    def sum_blocks(blocks, out) -> None:
+        """``out`` (fp32) = the rows of ``blocks`` summed in fp32, in row order."""
+        out[...] = blocks[0]
+        for block in blocks[1:]:
+            np.add(out, block, out=out, dtype=np.float32)
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         for start in range(0, master.size, self.chunk):
@@ -154,6 +164,14 @@ class CupyAdam:
                 "total = a", "0", "zero1_sum_of_squares")
         return _sum_of_squares_kernel(x)
 
+    @staticmethod
+    def sum_blocks(blocks, out) -> None:
+        """``out`` (fp32) = the rows of ``blocks`` summed in fp32, in row order."""
+        cupy = backend.xp_for("cupy")
+        out[...] = blocks[0]
+        for block in blocks[1:]:
+            cupy.add(out, block, out=out, dtype=np.float32)
+
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         scalars = tuple(np.float32(x) for x in (
             s.grad_scale, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.eps, s.l2, s.decay,
@@ -165,7 +183,29 @@ class CupyAdam:
             _cuda_kernel("mixed")(*args, master, exp_avg, exp_avg_sq, param)
 
 
-def make_adam(backend_name: str, largest: int = NUMPY_CHUNK):
-    """The fused update for ``backend_name`` (``"numpy"`` or ``"cupy"``); ``largest`` is the
-    most elements one call will see (it caps the NumPy scratch)."""
-    return CupyAdam() if backend_name == "cupy" else NumpyAdam(min(NUMPY_CHUNK, largest))
+def resolve_cpu_kernel(environ=None) -> str:
+    """``"numba"`` or ``"numpy"``, as ``ZERO1_MPI_KERNEL`` asks (default: Numba if it imports)."""
+    choice = (os.environ if environ is None else environ).get(KERNEL_ENV, "auto").strip().lower()
+    if choice not in ("auto", "numba", "numpy"):
+        raise ValueError(f"{KERNEL_ENV}={choice!r} is not understood: use auto, numba or numpy")
+    if choice == "numpy":
+        return "numpy"
+    try:
+        from . import kernels_numba  # noqa: F401
+    except ImportError:
+        if choice == "numba":
+            raise ImportError(f"{KERNEL_ENV}=numba but Numba does not import: "
+                              "pip install 'zero1-mpi[fast]'") from None
+        return "numpy"
+    return "numba"
+
+
+def make_adam(kernel: str, largest: int = NUMPY_CHUNK):
+    """The fused update: ``kernel`` is ``"cupy"``, ``"numba"`` or ``"numpy"``; ``largest`` is
+    the most elements one call will see (it caps the CPU scratch)."""
+    if kernel == "cupy":
+        return CupyAdam()
+    if kernel == "numba":
+        from .kernels_numba import NumbaAdam
+        return NumbaAdam(largest)
+    return NumpyAdam(min(NUMPY_CHUNK, largest))

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import backend, checkpoint, export
 from .comm import CollectiveError, Communicator
-from .kernels import AdamScalars, make_adam
+from .kernels import AdamScalars, make_adam, resolve_cpu_kernel
 from .layout import DEFAULT_BUCKET_ELEMENTS, build_layout
 from .memory import MemoryReport
 from .params import (GROUP_OPTIONS, check_arrays, check_hyperparameters, check_max_grad_norm,
@@ -92,6 +92,7 @@ class ZeroAdam:
             reduce_dtype = check_reduce_dtype(reduce_dtype, dtype)
             max_grad_norm = check_max_grad_norm(max_grad_norm)
             scaler = LossScaler.from_option(loss_scale)
+            kernel = "cupy" if backend_name == "cupy" else resolve_cpu_kernel()
             layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()}, size,
                                   dtype.name, bucket_elements=bucket_elements,
                                   group_sizes=[len(g["names"]) for g in groups])
@@ -115,6 +116,7 @@ class ZeroAdam:
         self.param_groups = groups
         self.step_count = 0
         self.backend = backend_name
+        self.kernel = kernel
         with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
             self._allocate(layout, dtype, backend_name)
             self._load_initial_values(arrays)
@@ -254,7 +256,7 @@ class ZeroAdam:
                                 and self.world_size > 1)
         self._received = (xp.empty(max(b.size for b in layout.buckets), dtype)
                           if self._exchange_16bit else None)
-        self._adam = make_adam(backend_name, max(b.shard_size for b in layout.buckets))
+        self._adam = make_adam(self.kernel, max(b.shard_size for b in layout.buckets))
 
     def _views(self, flat) -> dict:
         return {t.name: flat[t.offset:t.offset + t.numel].reshape(t.shape)
@@ -304,11 +306,8 @@ class ZeroAdam:
             return grads[:bucket.shard_size]
         received = self._received[:bucket.size]
         self.comm.alltoall(grads, received)
-        blocks = received.reshape(self.world_size, bucket.shard_size)
         reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / N
-        reduced[...] = blocks[0]
-        for block in blocks[1:]:
-            self._xp.add(reduced, block, out=reduced, dtype=FP32)
+        self._adam.sum_blocks(received.reshape(self.world_size, bucket.shard_size), reduced)
         return reduced
 
     def _update_shard(self, bucket, grads, scalars) -> None:
