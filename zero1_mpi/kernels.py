@@ -52,6 +52,19 @@ class AdamScalars:
                    bc2_sqrt=math.sqrt(1.0 - beta2 ** step))
 
 
+def sum_of_squares(x, scratch) -> float:
+    """Sum of ``x**2``: BLAS dot products over chunks (16-bit ones widened into the fp32
+    ``scratch`` first), accumulated in float64; inf and nan propagate."""
+    total = 0.0
+    for start in range(0, x.size, scratch.size):
+        chunk = x[start:start + scratch.size]
+        if chunk.dtype != np.float32:
+            chunk = scratch[:chunk.size]
+            np.copyto(chunk, x[start:start + scratch.size], casting="unsafe")
+        total += float(np.dot(chunk, chunk))
+    return total
+
+
 class NumpyAdam:
     """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
 
@@ -65,15 +78,7 @@ class NumpyAdam:
         return self._g.nbytes + self._t.nbytes
 
     def sum_of_squares(self, x) -> float:
-        """Sum of ``x**2`` in fp32 chunks, accumulated in float64; inf/nan propagate."""
-        total = 0.0
-        for start in range(0, x.size, self.chunk):
-            chunk = x[start:start + self.chunk]
-            if chunk.dtype != np.float32:
-                chunk = self._g[:chunk.size]
-                np.copyto(chunk, x[start:start + self.chunk], casting="unsafe")
-            total += float(np.dot(chunk, chunk))
-        return total
+        return sum_of_squares(x, self._g)
 
     @staticmethod
     def sum_blocks(blocks, out) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import AdamScalars
+from .kernels import NUMPY_CHUNK, AdamScalars, sum_of_squares
 
 FP32, BF16, FP16 = 0, 1, 2  # how a gradient or parameter array is encoded
 _FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
@@ -77,48 +77,46 @@ def _f32_to_f16(values, count, out, start):
         out[start + i] = np.uint16(sign | h)
 
 
+@njit(cache=True, error_model="numpy", nogil=True, inline="never")
+def _update(grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step,
+            bc2_sqrt):
+    """The update over one chunk (fp32 gradient in, state in place): the NumPy twin's
+    operations in its order. Kept apart so that LLVM vectorizes it."""
+    for i in range(master.size):
+        g = grad[i] * grad_scale                         # mean gradient
+        p = master[i]
+        if l2 != 0:
+            g = g + p * l2                               # Adam: L2 term
+        mi = m[i]
+        mi = mi + (g - mi) * omb1                        # m = lerp(m, g, 1 - beta1)
+        vi = v[i] * beta2 + (g * g) * omb2               # v = beta2 v + (1 - beta2) g^2
+        if decay != 1:
+            p = p * decay                                # AdamW: p *= 1 - lr wd
+        denom = np.sqrt(vi) / bc2_sqrt + eps             # bias-corrected sqrt(v) + eps
+        m[i] = mi
+        v[i] = vi
+        master[i] = p + (mi / denom) * neg_step          # p -= lr / (1 - beta1^t) m / denom
+
+
 @njit(cache=True, error_model="numpy", nogil=True)
 def _adam(grad32, grad16, grad_kind, master, m, v, param16, param_kind, table, scratch,
           grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt):
     n = master.size
     size = scratch.size
     for start in range(0, n, size):
-        count = min(size, n - start)
-        _to_f32(grad32, grad16, grad_kind, start, count, grad_scale, table, scratch)
-        for i in range(count):
-            j = start + i
-            g = scratch[i]
-            p = master[j]
-            if l2 != 0:
-                g = g + p * l2                           # Adam: L2 term
-            mi = m[j]
-            mi = mi + (g - mi) * omb1                    # m = lerp(m, g, 1 - beta1)
-            vi = v[j] * beta2 + (g * g) * omb2           # v = beta2 v + (1 - beta2) g^2
-            if decay != 1:
-                p = p * decay                            # AdamW: p *= 1 - lr wd
-            denom = np.sqrt(vi) / bc2_sqrt + eps         # bias-corrected sqrt(v) + eps
-            p = p + (mi / denom) * neg_step              # p -= lr / (1 - beta1^t) * m / denom
-            m[j] = mi
-            v[j] = vi
-            master[j] = p
-            scratch[i] = p
+        stop = min(n, start + size)
+        count = stop - start
+        if grad_kind == FP32:
+            grad = grad32[start:stop]
+        else:  # widen the 16-bit chunk into the scratch first
+            _to_f32(grad32, grad16, grad_kind, start, count, np.float32(1), table, scratch)
+            grad = scratch[:count]
+        _update(grad, master[start:stop], m[start:stop], v[start:stop], grad_scale, beta2,
+                omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt)
         if param_kind == BF16:
-            _f32_to_bf16(scratch, count, param16, start)
+            _f32_to_bf16(master[start:stop], count, param16, start)
         elif param_kind == FP16:
-            _f32_to_f16(scratch, count, param16, start)
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
-def _sum_of_squares(grad32, grad16, kind, table, scratch):
-    """Sum of squares of the gradient, widened to fp32 and accumulated in float64."""
-    n = grad32.size if kind == FP32 else grad16.size
-    total = 0.0
-    for start in range(0, n, scratch.size):
-        count = min(scratch.size, n - start)
-        _to_f32(grad32, grad16, kind, start, count, np.float32(1), table, scratch)
-        for i in range(count):
-            total += np.float64(scratch[i]) * np.float64(scratch[i])
-    return total
+            _f32_to_f16(master[start:stop], count, param16, start)
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
@@ -147,10 +145,12 @@ class NumbaAdam:
 
     def __init__(self, chunk: int = CHUNK):
         self._scratch = np.empty(max(1, min(chunk, CHUNK)), np.float32)
+        # The sum of squares goes through BLAS (a compiled loop cannot reorder float sums).
+        self._sum_scratch = np.empty(max(1, min(chunk, NUMPY_CHUNK)), np.float32)
 
     @property
     def scratch_bytes(self) -> int:
-        return self._scratch.nbytes
+        return self._scratch.nbytes + self._sum_scratch.nbytes
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         f = np.float32
@@ -163,8 +163,7 @@ class NumbaAdam:
               f(s.bc2_sqrt))
 
     def sum_of_squares(self, x) -> float:
-        grad32, grad16, kind = _split(x)
-        return float(_sum_of_squares(grad32, grad16, kind, _FP16_TABLE, self._scratch))
+        return sum_of_squares(x, self._sum_scratch)
 
     def sum_blocks(self, blocks, out) -> None:
         """``out`` (fp32) = the rows of ``blocks`` (bf16 or fp16) summed in row order."""

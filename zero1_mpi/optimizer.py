@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -115,6 +116,10 @@ class ZeroAdam:
         self.scaler = scaler
         self.param_groups = groups
         self.step_count = 0
+        #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
+        #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
+        #: CuPy work is asynchronous: there the phases are the host's, not the device's.
+        self.last_step_seconds = {}
         self.backend = backend_name
         self.kernel = kernel
         with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
@@ -149,15 +154,19 @@ class ZeroAdam:
         step reports ``skipped=True``; at the minimum scale, or without dynamic scaling,
         ``FloatingPointError`` is raised on every rank.
         """
+        clock = time.perf_counter
+        started = clock()
         group_error, options = self._check_param_groups()
         with self.comm.abort_on_error("in step() while reducing the gradients"):
             reduced = [self._reduce_gradients(bucket) for bucket in self.layout.buckets]
+            reduced_at = clock()
             sum_sq = float(sum(self._adam.sum_of_squares(r) for r in reduced))
             # One Allreduce: the norm (inf/nan if any rank overflowed), whether any rank found
             # a bad option, and whether all ranks hold the same options (sum h and sum h^2).
             totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options]
             if self.world_size > 1:
                 totals = self.comm.allreduce_sum(totals)
+        agreed_at = clock()
         if totals[1]:
             self.zero_grad()
             self.comm.agree(group_error)
@@ -184,16 +193,22 @@ class ZeroAdam:
         if self.max_grad_norm is not None:
             clip = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
         factor = clip / (self.world_size * scale)
+        update = gather = 0.0
         with self.comm.abort_on_error("in step() while updating the parameters"):
             scalars = [AdamScalars.for_step(self.step_count + 1, **_options(g, dict),
                                             decoupled=self.decoupled_weight_decay,
                                             grad_scale=factor)
                        for g in self.param_groups]
             for bucket, grads in zip(self.layout.buckets, reduced):
+                t0 = clock()
                 self._update_shard(bucket, grads, scalars)
+                t1 = clock()
                 self.comm.allgather_inplace(
                     self._params[bucket.offset:bucket.offset + bucket.size])
+                update, gather = update + t1 - t0, gather + clock() - t1
             self.zero_grad()
+        self.last_step_seconds = {"reduce": reduced_at - started, "agree": agreed_at - reduced_at,
+                                  "update": update, "gather": gather}
         self.step_count += 1
         self.scaler = self.scaler.update(overflow=False)
         return StepInfo(grad_norm, False, scale, clip, self.step_count)

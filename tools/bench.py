@@ -1,0 +1,396 @@
+"""python tools/bench.py --ranks 1,2,4 [--model mlp] [--dtype float32] [--json F] [--plot F]
+
+Measures, side by side in one run on the same parameters and gradients, one optimizer step of
+(a) plain data parallelism: an ``Allreduce`` of the gradients, then full Adam on every rank (the
+    seed's baseline), with the same fused kernel as (b);
+(b) zero1_mpi: ``Reduce_scatter`` (or ``Alltoall`` + fp32 sum), Adam on the owned shard,
+    ``Allgather``;
+(c) ``torch.distributed.optim.ZeroRedundancyOptimizer`` over gloo wrapping
+    ``torch.optim.AdamW(fused=True)``, after an all-reduce of the gradients (what DDP does),
+    when torch is installed (fp32 only).
+For each: the step split into gradient reduction, optimizer math and parameter gathering (median
+over ``--steps`` after ``--warmup``, the slowest rank each time), bytes per rank, and ratios; and
+the throughput of the kernels alone (ours, NumPy and Numba; torch's fused AdamW, and for 16-bit
+torch doing the same job: grads to fp32, fused AdamW, fp32 to 16-bit params) against a memory
+copy measured in the same run. Each rank uses one thread.
+
+With ``--ranks`` it launches ``mpiexec -n N`` for each N and prints one markdown table for all;
+under ``mpiexec`` without ``--ranks`` it measures that world size. ``--json`` writes all
+numbers; ``--plot`` writes a PNG (time split and bytes per rank against N; needs matplotlib).
+``--model mlp`` is the 25M-parameter MLP 1024->4096->4096->1024; ``--model flat:16M`` one
+flat tensor of that many elements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # one thread per rank, for every library
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import zero1_mpi  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import run_ranks  # noqa: E402
+
+from zero1_mpi.memory import parse_param_count  # noqa: E402
+
+PHASES = ("reduce", "optimizer", "gather")
+
+
+def model_shapes(model: str) -> dict:
+    if model == "mlp":
+        dims = (1024, 4096, 4096, 1024)
+        shapes = {}
+        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+            shapes[f"w{i}"], shapes[f"b{i}"] = (b, a), (b,)
+        return shapes
+    if model.startswith("flat:"):
+        return {"flat": (parse_param_count(model[5:]),)}
+    raise SystemExit(f"--model {model!r}: use mlp or flat:<elements>")
+
+
+# -- the worker: runs on every rank ----------------------------------------------------------
+
+def worker(args) -> dict:
+    import numpy as np
+    from mpi4py import MPI
+
+    from zero1_mpi import ZeroAdamW
+    from zero1_mpi.backend import resolve_dtype
+    from zero1_mpi.kernels import AdamScalars, make_adam, resolve_cpu_kernel
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    shapes = model_shapes(args.model)
+    psi = sum(int(np.prod(s)) for s in shapes.values())
+    dtype = resolve_dtype(args.dtype)
+    rng = np.random.default_rng(rank)
+    grads = {k: (rng.standard_normal(s).astype(np.float32) * 1e-2).astype(dtype)
+             for k, s in shapes.items()}
+    init = {k: np.random.default_rng(7).standard_normal(s).astype(np.float32) * 0.02
+            for k, s in shapes.items()}
+
+    def slowest(seconds):
+        return comm.allreduce(seconds, op=MPI.MAX)
+
+    def median_phases(run_step):
+        """Median over steps of each phase's time on the slowest rank."""
+        samples = {p: [] for p in PHASES}
+        for i in range(args.warmup + args.steps):
+            comm.Barrier()
+            phases = run_step()
+            if i >= args.warmup:
+                for p in PHASES:
+                    samples[p].append(slowest(phases.get(p, 0.0)))
+        return {p: statistics.median(v) for p, v in samples.items()}
+
+    result = {"world_size": size, "psi": psi, "dtype": dtype.name, "model": args.model,
+              "kernel": resolve_cpu_kernel()}
+
+    # (b) zero1_mpi
+    opt = ZeroAdamW(init, comm, lr=1e-4, param_dtype=dtype.name)
+
+    def zero1_step():
+        for k, g in grads.items():
+            opt.grads[k][...] = g
+        opt.step()
+        t = opt.last_step_seconds
+        return {"reduce": t["reduce"] + t["agree"], "optimizer": t["update"],
+                "gather": t["gather"]}
+
+    report = opt.memory_report()
+    result["zero1"] = {**median_phases(zero1_step),
+                       "bytes": comm.allreduce(report.total, op=MPI.MAX),
+                       "state_bytes": comm.allreduce(report.master_weights + report.exp_avg
+                                                     + report.exp_avg_sq, op=MPI.MAX),
+                       "formula_bytes": report.formula_bytes}
+    opt = None  # free its buffers before the baseline allocates its own
+
+    # (a) plain data parallelism: Allreduce in fp32, full Adam on every rank, same kernel.
+    flat_grads = np.concatenate([g.reshape(-1) for g in grads.values()])
+    summed = np.empty(psi, np.float32)
+    master = np.concatenate([v.reshape(-1) for v in init.values()]).astype(np.float32)
+    m, v = np.zeros(psi, np.float32), np.zeros(psi, np.float32)
+    params16 = master.astype(dtype) if dtype != np.float32 else None
+    kernel = make_adam(resolve_cpu_kernel(), psi)
+    scalars = AdamScalars.for_step(1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
+                                   weight_decay=1e-2, decoupled=True, grad_scale=1.0 / size)
+
+    summed[...] = flat_grads
+
+    def baseline_step():
+        t0 = time.perf_counter()
+        if dtype != np.float32:
+            summed[...] = flat_grads  # 16-bit: widen first (MPI has no bf16 sum)
+        # In place on the gradient buffer, as DDP does (the values it leaves do not matter).
+        comm.Allreduce(MPI.IN_PLACE, summed, op=MPI.SUM)
+        t1 = time.perf_counter()
+        kernel(summed, master, m, v, params16, scalars)
+        return {"reduce": t1 - t0, "optimizer": time.perf_counter() - t1}
+
+    baseline_bytes = psi * (2 * dtype.itemsize + 8 + (4 if dtype != np.float32 else 0)) \
+        + summed.nbytes
+    result["baseline"] = {**median_phases(baseline_step), "bytes": baseline_bytes,
+                          "state_bytes": psi * (8 + (4 if dtype != np.float32 else 0))}
+
+    # Kernels alone, on arrays far larger than the caches (as a large model's shard would be).
+    result["kernels"] = kernel_throughput(np, comm, MPI, max(psi // size, 1 << 23), dtype, args)
+    if args.torch and dtype == np.float32:
+        result["torch_zero"] = torch_zero(comm, MPI, shapes, grads, init, median_phases)
+    return result
+
+
+def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
+    """Elements per second of each kernel on a shard of ``n`` elements, every rank at once,
+    and the memory-copy bandwidth of this machine in the same conditions."""
+    from zero1_mpi.kernels import AdamScalars, make_adam, resolve_cpu_kernel
+
+    def best(fn, repeat=5):
+        fn()
+        times = []
+        for _ in range(repeat):
+            comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return comm.allreduce(min(times), op=MPI.MAX)
+
+    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+    copy_gbs = 2 * src.nbytes / best(lambda: np.copyto(dst, src)) / 1e9
+    mixed = dtype != np.float32
+    grad_in = np.full(n, 1e-3, np.float32)  # zero1 (N > 1) hands the kernel fp32 sums
+    master, m, v = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    param = np.ones(n, dtype) if mixed else None
+    s = AdamScalars.for_step(1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                             decoupled=True)
+    bytes_per_element = 28 + (2 if mixed else 0)  # read g p m v, write p m v (+ 16-bit p)
+    out = {"copy_GBps": copy_gbs, "bytes_per_element": bytes_per_element}
+    kernels = ["numpy"] + (["numba"] if resolve_cpu_kernel() == "numba" else [])
+    for name in kernels:
+        kernel = make_adam(name, n)
+        rate = n / best(lambda: kernel(grad_in, master, m, v, param, s))
+        out[f"zero1_{name}"] = {"Gelem_per_s": rate / 1e9,
+                                "GBps": rate * bytes_per_element / 1e9}
+    if args.torch:
+        import torch
+        torch.set_num_threads(1)
+        p = torch.nn.Parameter(torch.ones(n))
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        if mixed:
+            tdtype = torch.bfloat16 if dtype.name == "bfloat16" else torch.float16
+            g16, p16 = torch.full((n,), 1e-3, dtype=tdtype), torch.ones(n, dtype=tdtype)
+
+            def torch_step():  # the same job: 16-bit grads in, fp32 AdamW, 16-bit params out
+                p.grad = g16.float()
+                opt.step()
+                p16.copy_(p.detach())
+        else:
+            p.grad = torch.full((n,), 1e-3)
+
+            def torch_step():
+                opt.step()
+        rate = n / best(torch_step)
+        out["torch_fused_adamw"] = {"Gelem_per_s": rate / 1e9,
+                                    "GBps": rate * bytes_per_element / 1e9}
+    return out
+
+
+def torch_zero(comm, MPI, shapes, grads, init, median_phases) -> dict:
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        port = None
+        if comm.Get_rank() == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = comm.bcast(port)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=comm.Get_rank(), world_size=comm.Get_size())
+    params = [torch.nn.Parameter(torch.tensor(init[k])) for k in shapes]
+    tgrads = [torch.tensor(grads[k]) for k in shapes]
+    zero = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-4,
+                                   fused=True)
+    local = {"seconds": 0.0}
+    inner_step = zero.optim.step
+
+    def timed_inner_step(*a, **k):
+        t = time.perf_counter()
+        out = inner_step(*a, **k)
+        local["seconds"] = time.perf_counter() - t
+        return out
+    zero.optim.step = timed_inner_step
+    world = comm.Get_size()
+
+    def step():
+        for p, g in zip(params, tgrads):
+            p.grad = g.clone()
+        t0 = time.perf_counter()
+        for p in params:  # DDP's gradient averaging
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        t1 = time.perf_counter()
+        zero.step()
+        total = time.perf_counter() - t1
+        return {"reduce": t1 - t0, "optimizer": local["seconds"],
+                "gather": total - local["seconds"]}
+
+    phases = median_phases(step)
+    zero.step()
+    state = sum(t.numel() * t.element_size() for st in zero.optim.state.values()
+                for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
+    psi = sum(p.numel() for p in params)
+    return {**phases, "bytes": comm.allreduce(8 * psi + state, op=MPI.MAX),
+            "state_bytes": comm.allreduce(state, op=MPI.MAX),
+            "state_bytes_min": comm.allreduce(state, op=MPI.MIN)}
+
+
+# -- reporting -------------------------------------------------------------------------------
+
+def total(r: dict) -> float:
+    return sum(r[p] for p in PHASES if p in r)
+
+
+def table(results: list[dict]) -> str:
+    mib = 2 ** 20
+    lines = ["| N | implementation | reduce ms | optimizer ms | gather ms | total ms | "
+             "bytes/rank | optimizer state/rank |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for key, label in (("baseline", "(a) DP: Allreduce + full Adam"),
+                           ("zero1", "(b) zero1_mpi"),
+                           ("torch_zero", "(c) torch ZeroRedundancyOptimizer")):
+            if key in r:
+                x = r[key]
+                lines.append(f"| {r['world_size']} | {label} | {x['reduce'] * 1e3:.1f} | "
+                             f"{x['optimizer'] * 1e3:.1f} | {x.get('gather', 0) * 1e3:.1f} | "
+                             f"{total(x) * 1e3:.1f} | {x['bytes'] / mib:.0f} MiB | "
+                             f"{x['state_bytes'] / mib:.0f} MiB |")
+    lines += ["", "| N | (b)/(a) total | (b)/(c) total | (b) RS+AG / (a) Allreduce | "
+              "(b) optimizer vs N=1 |", "|---:|---:|---:|---:|---:|"]
+    first = results[0]["zero1"]["optimizer"] if results[0]["world_size"] == 1 else None
+    for r in results:
+        z, a = r["zero1"], r["baseline"]
+        vs_c = f"{total(z) / total(r['torch_zero']):.2f}x" if "torch_zero" in r else "-"
+        comm_ratio = "-" if r["world_size"] == 1 else \
+            f"{(z['reduce'] + z['gather']) / a['reduce']:.2f}x"
+        vs_1 = f"{z['optimizer'] / first:.2f}x" if first else "-"
+        lines.append(f"| {r['world_size']} | {total(z) / total(a):.2f}x | {vs_c} | "
+                     f"{comm_ratio} | {vs_1} |")
+    lines += ["", "| N | kernel | G elements/s per rank | GB/s | of copy bandwidth | vs torch |",
+              "|---:|---|---:|---:|---:|---:|"]
+    for r in results:
+        k = r["kernels"]
+        ref = k.get("torch_fused_adamw", {}).get("Gelem_per_s")
+        for name in ("zero1_numpy", "zero1_numba", "torch_fused_adamw"):
+            if name in k:
+                vs = f"{k[name]['Gelem_per_s'] / ref:.2f}x" if ref else "-"
+                lines.append(f"| {r['world_size']} | {name} | {k[name]['Gelem_per_s']:.2f} | "
+                             f"{k[name]['GBps']:.1f} | {k[name]['GBps'] / k['copy_GBps']:.0%} | "
+                             f"{vs} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], file: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    keys = [k for k in ("baseline", "zero1", "torch_zero") if k in results[0]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        xs = [j + i * width for j in range(len(results))]
+        bottom = [0.0] * len(results)
+        for phase, color in zip(PHASES, ("tab:blue", "tab:orange", "tab:green")):
+            heights = [r[key].get(phase, 0) * 1e3 for r in results]
+            left.bar(xs, heights, width, bottom=bottom, color=color,
+                     label=phase if i == 0 else None, edgecolor="black", linewidth=0.3)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        right.plot([r["world_size"] for r in results],
+                   [r[key]["bytes"] / 2 ** 20 for r in results], marker="o", label=key)
+    left.set_xticks([j + width * (len(keys) - 1) / 2 for j in range(len(results))],
+                    [f"N={r['world_size']}" for r in results])
+    left.set_ylabel("ms per step (bars: " + ", ".join(keys) + ")")
+    left.legend()
+    right.set_xlabel("ranks N")
+    right.set_xticks([r["world_size"] for r in results])
+    right.set_ylabel("MiB per rank")
+    right.legend()
+    fig.suptitle(f"{results[0]['model']} ({results[0]['psi'] / 1e6:.1f}M params, "
+                 f"{results[0]['dtype']})")
+    fig.tight_layout()
+    fig.savefig(file, dpi=110)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", help="launch mpiexec for each N (e.g. 1,2,4)")
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", help="write all numbers to this file")
+    parser.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
+    parser.add_argument("--mpiexec", default="mpiexec")
+    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        import torch  # noqa: F401
+        args.torch = True
+    except ImportError:
+        args.torch = False
+
+    if args.ranks:
+        results = []
+        for n in (int(x) for x in args.ranks.split(",")):
+            forwarded = ["--worker", "--model", args.model, "--dtype", args.dtype,
+                         "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            results.append(run_ranks(n, str(Path(__file__).resolve()), forwarded,
+                                     args.mpiexec, args.timeout))
+            print(f"N={n} done", file=sys.stderr, flush=True)
+    else:
+        result = worker(args)
+        if args.worker:
+            if result["world_size"] and _rank() == 0:
+                print(json.dumps(result), flush=True)
+            return 0
+        if _rank() != 0:
+            return 0
+        results = [result]
+    r0 = results[0]
+    print(f"{r0['model']}: {r0['psi'] / 1e6:.1f}M {r0['dtype']} parameters, CPU kernel "
+          f"{r0['kernel']}, one thread per rank, median of {args.steps} steps\n")
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.plot and not plot(results, args.plot):
+        print("(no plot: matplotlib is not installed)")
+    return 0
+
+
+def _rank() -> int:
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_rank()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
