@@ -35,9 +35,13 @@ def test_rank_failing_inside_step_aborts_the_job(n, with_mpi4py_runner):
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.parametrize("n", RANKS)
-def test_communicator_collectives_direct_and_staged(n):
-    assert f"OK comm on {n} ranks" in run_mpi(n, "comm.py", timeout=120).stdout
+@pytest.mark.parametrize("n, kernel", [(n, "numpy") for n in RANKS] + [(2, "numba")])
+def test_communicator_collectives_direct_and_staged(n, kernel):
+    """Also: a step in steady state allocates only a few KB (tracemalloc)."""
+    if kernel == "numba":
+        pytest.importorskip("numba")
+    out = run_mpi(n, "comm.py", timeout=120, env={"ZERO1_MPI_KERNEL": kernel}).stdout
+    assert f"OK comm on {n} ranks" in out
 
 
 @pytest.mark.parametrize("n", RANKS)

@@ -114,7 +114,27 @@ def check_float16_reduction_in_mpi():
     assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16))
 
 
+def check_steady_state_allocations():
+    """A step in steady state allocates no memory that grows with the model: a few KB."""
+    import tracemalloc
+    for dtype in ("float32", "bfloat16"):
+        opt = ZeroAdam({"w": np.zeros((500, 400), np.float32), "b": np.zeros(400, np.float32)},
+                       world, param_dtype=dtype, bucket_elements=1 << 16, max_grad_norm=1.0)
+        for _ in range(3):
+            opt.grads["w"][...] = 1e-3
+            opt.step()
+        opt.grads["w"][...] = 1e-3
+        tracemalloc.start()
+        opt.step()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        # NumPy's fixed-size cast buffers (16-bit, NumPy kernel) are the largest item.
+        limit = 8 * 1024 if opt.kernel == "numba" or dtype == "float32" else 64 * 1024
+        assert peak < limit, f"{dtype}/{opt.kernel}: a step allocated {peak} bytes"
+
+
 def main():
+    check_steady_state_allocations()
     check_float16_reduction_in_mpi()
     for stage_host in (False, True):
         comm = Communicator(world, stage_host=stage_host)
