@@ -52,3 +52,8 @@ def test_groups_schedule_clipping_scaling_accumulation(n):
 @pytest.mark.parametrize("n", RANKS)
 def test_overflow_and_bad_options_are_agreed_by_all_ranks(n):
     assert f"OK overflow on {n} ranks" in run_mpi(n, "overflow.py", timeout=120).stdout
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_overlapped_communication_gives_the_same_bits(n):
+    assert f"OK overlap on {n} ranks" in run_mpi(n, "overlap.py", timeout=120).stdout

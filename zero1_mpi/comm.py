@@ -100,6 +100,8 @@ class Communicator:
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
         self.stage_host = stage_host
         self._staging: dict[str, np.ndarray] = {}
+        self._persistent: dict[tuple, MPI.Prequest] = {}
+        self._persistent_ok = True  # until the MPI library says it has no MPI-4 collectives
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
         error = None
         try:
@@ -192,6 +194,58 @@ class Communicator:
         with self._host_view(buf, "allgather") as host:
             self.comm.Allgather(MPI.IN_PLACE, [_bytes(host), MPI.BYTE])
 
+    # -- started collectives: persistent (MPI-4) where possible, else nonblocking -------------
+
+    def start_reduce_scatter(self, buf) -> Request:
+        """Start ``reduce_scatter_sum(buf)``; the returned request's ``wait()`` completes it."""
+        if self._needs_staging(buf):
+            self.reduce_scatter_sum(buf)
+            return DONE
+        spec = [buf, _reduce_type(buf.dtype)]
+        return self._start(("reduce_scatter", _address(buf), buf.nbytes),
+                           lambda: self.comm.Reduce_scatter_block_init(MPI.IN_PLACE, spec, MPI.SUM),
+                           lambda: self.comm.Ireduce_scatter_block(MPI.IN_PLACE, spec, MPI.SUM),
+                           buf)
+
+    def start_alltoall(self, send, recv) -> Request:
+        """Start ``alltoall(send, recv)``."""
+        if self._needs_staging(send) or self._needs_staging(recv):
+            self.alltoall(send, recv)
+            return DONE
+        specs = ([_bytes(send), MPI.BYTE], [_bytes(recv), MPI.BYTE])
+        return self._start(("alltoall", _address(send), _address(recv), send.nbytes),
+                           lambda: self.comm.Alltoall_init(*specs),
+                           lambda: self.comm.Ialltoall(*specs), send)
+
+    def start_allgather(self, buf) -> Request:
+        """Start ``allgather_inplace(buf)``."""
+        if self._needs_staging(buf):
+            self.allgather_inplace(buf)
+            return DONE
+        spec = [_bytes(buf), MPI.BYTE]
+        return self._start(("allgather", _address(buf), buf.nbytes),
+                           lambda: self.comm.Allgather_init(MPI.IN_PLACE, spec),
+                           lambda: self.comm.Iallgather(MPI.IN_PLACE, spec), buf)
+
+    def _start(self, key, make_persistent, make_nonblocking, buf) -> Request:
+        backend.synchronize(buf)  # MPI may read device memory as soon as it starts
+        request = self._persistent.get(key)
+        if request is None and self._persistent_ok:
+            try:
+                request = self._persistent[key] = make_persistent()
+            except (NotImplementedError, MPI.Exception):
+                self._persistent_ok = False  # an MPI before 4.0: use nonblocking collectives
+        if request is None:
+            return Request(make_nonblocking())
+        request.Start()
+        return Request(request)
+
+    def close(self) -> None:
+        """Free the persistent requests (they hold the buffers they were made for)."""
+        for request in self._persistent.values():
+            request.Free()
+        self._persistent.clear()
+
     # -- staging -------------------------------------------------------------------------------
 
     def _host_view(self, buf, role: str, copy_in: bool = True, copy_out: bool = True):
@@ -213,6 +267,28 @@ class Communicator:
     @property
     def staging_bytes(self) -> int:
         return sum(buf.nbytes for buf in self._staging.values())
+
+
+class Request:
+    """A started collective: ``test()`` lets MPI progress it, ``wait()`` completes it."""
+
+    def __init__(self, request=None):
+        self._request = request
+
+    def test(self) -> bool:
+        return self._request is None or self._request.Test()
+
+    def wait(self) -> None:
+        if self._request is not None:
+            self._request.Wait()
+
+
+DONE = Request()  # what a blocking fallback returns
+
+
+def _address(buf) -> int:
+    face = getattr(buf, "__cuda_array_interface__", None) or buf.__array_interface__
+    return face["data"][0]
 
 
 class _Staged:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+import weakref
 from dataclasses import dataclass
-from types import MappingProxyType
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -141,24 +142,60 @@ class ZeroAdam:
         """Multiply the loss by this before backward (1.0 without loss scaling)."""
         return self.scaler.scale
 
+    def grads_ready(self, names) -> None:
+        """Declare the gradients of ``names`` (a name or an iterable of names) final for this
+        step, so that communication starts during the backward pass: each bucket's reduction
+        starts as soon as all its tensors are ready and every later bucket has started (the
+        buckets go last to first, the order of a backward pass, the same on every rank).
+        Optional: ``step()`` starts whatever has not started. Must be called on all ranks,
+        with the same names before each ``step()``.
+        """
+        with self.comm.abort_on_error("in grads_ready()"):
+            for name in [names] if isinstance(names, str) else names:
+                if name not in self._tensor_buckets:
+                    raise KeyError(f"grads_ready({name!r}): no parameter of that name")
+                if name not in self._ready:
+                    self._ready.add(name)
+                    for index in self._tensor_buckets[name]:
+                        self._waiting[index] -= 1
+            while self._next_start >= 0 and self._waiting[self._next_start] <= 0:
+                self._start_reduction(self._next_start)
+            for request, _ in self._started.values():
+                request.test()  # let MPI progress what is in flight
+
+    def wait(self) -> None:
+        """Complete the all-gathers that ``step(wait=False)`` left in flight. Reading
+        ``opt.params[...]`` calls this; call it yourself before reading views kept elsewhere
+        (for example a model's tensors that share the buffer)."""
+        if self._gathers:
+            with self.comm.abort_on_error("while gathering the parameters"):
+                for request in self._gathers:
+                    request.wait()
+            self._gathers.clear()
+
     def zero_grad(self) -> None:
         """Set every gradient to zero (``step()`` also leaves them zeroed)."""
         self._grads.fill(0)
 
-    def step(self) -> StepInfo:
+    def step(self, wait: bool = True) -> StepInfo:
         """Average the gradients over ranks, update the owned shard, gather the parameters.
 
-        Must be called on all ranks. Consumes the gradients: the buffer is zero afterwards,
-        ready for the next accumulation. When the gradients overflow (inf/nan on any rank),
-        nothing is updated on any rank: with dynamic loss scaling the scale backs off and the
-        step reports ``skipped=True``; at the minimum scale, or without dynamic scaling,
-        ``FloatingPointError`` is raised on every rank.
+        With ``wait=False`` the all-gathers are left in flight until the parameters are next
+        read (see ``wait()``). Must be called on all ranks. Consumes the gradients: the
+        buffer is zero afterwards, ready for the next accumulation. When the gradients
+        overflow (inf/nan on any rank), nothing is updated on any rank: with dynamic loss
+        scaling the scale backs off and the step reports ``skipped=True``; at the minimum
+        scale, or without dynamic scaling, ``FloatingPointError`` is raised on every rank.
         """
+        self.wait()
         clock = time.perf_counter
         started = clock()
         group_error, options = self._check_param_groups()
         with self.comm.abort_on_error("in step() while reducing the gradients"):
-            reduced = [self._reduce_gradients(bucket) for bucket in self.layout.buckets]
+            while self._next_start >= 0:
+                self._start_reduction(self._next_start)
+            reduced = [self._finish_reduction(b.index) for b in self.layout.buckets]
+            self._new_round()
             reduced_at = clock()
             sum_sq = float(sum(self._adam.sum_of_squares(r) for r in reduced))
             # One Allreduce: the norm (inf/nan if any rank overflowed), whether any rank found
@@ -203,10 +240,14 @@ class ZeroAdam:
                 t0 = clock()
                 self._update_shard(bucket, grads, scalars)
                 t1 = clock()
-                self.comm.allgather_inplace(
-                    self._params[bucket.offset:bucket.offset + bucket.size])
+                self._gathers.append(self.comm.start_allgather(
+                    self._params[bucket.offset:bucket.offset + bucket.size]))
                 update, gather = update + t1 - t0, gather + clock() - t1
             self.zero_grad()
+        if wait:
+            t0 = clock()
+            self.wait()
+            gather += clock() - t0
         self.last_step_seconds = {"reduce": reduced_at - started, "agree": agreed_at - reduced_at,
                                   "update": update, "gather": gather}
         self.step_count += 1
@@ -265,12 +306,25 @@ class ZeroAdam:
         self._master = xp.zeros(shard, FP32) if self._mixed else None
         self._exp_avg = xp.zeros(shard, FP32)
         self._exp_avg_sq = xp.zeros(shard, FP32)
-        self.params = MappingProxyType(self._views(self._params))
-        self.grads = MappingProxyType(self._views(self._grads))
+        self.params = _Views(self._views(self._params), before_read=self.wait)
+        self.grads = _Views(self._views(self._grads))
         self._exchange_16bit = (self._mixed and self.reduce_dtype == "float32"
                                 and self.world_size > 1)
-        self._received = (xp.empty(max(b.size for b in layout.buckets), dtype)
-                          if self._exchange_16bit else None)
+        # 16-bit exchanges land in receive slots; two let one bucket's sum run while the next
+        # bucket's exchange is in flight.
+        slots = min(2, len(layout.buckets)) if self._exchange_16bit else 0
+        self._received = xp.empty((slots, max(b.size for b in layout.buckets)), dtype) \
+            if slots else None
+        self._tensor_buckets = {t.name: [b.index for b in layout.buckets
+                                         if b.offset < t.offset + t.numel
+                                         and t.offset < b.offset + b.used]
+                                for t in layout.tensors}
+        self._bucket_tensors = [sum(b.index in ids for ids in self._tensor_buckets.values())
+                                for b in layout.buckets]
+        self._gathers = []
+        self._new_round()
+        # Persistent requests hold these buffers: free them when the optimizer goes.
+        weakref.finalize(self, self.comm.close)
         self._adam = make_adam(self.kernel, max(b.shard_size for b in layout.buckets))
 
     def _views(self, flat) -> dict:
@@ -307,22 +361,52 @@ class ZeroAdam:
         text = repr([_options(g) for g in self.param_groups]).encode()
         return problem, int(hashlib.sha256(text).hexdigest()[:5], 16)
 
-    def _reduce_gradients(self, bucket):
-        """This rank's shard of the bucket's gradients summed over ranks, stored in place.
+    def _new_round(self) -> None:
+        """Forget the last step's readiness: no bucket started, every tensor pending."""
+        self._ready = set()
+        self._waiting = list(self._bucket_tensors)
+        self._next_start = len(self.layout.buckets) - 1
+        self._started = {}    # bucket index -> (request, receive slot or None)
+        self._reduced = {}    # bucket index -> this rank's summed shard, once finished
+        self._slot_owner = [None] * (0 if self._received is None else len(self._received))
 
-        The result lives at the start of the bucket's range of the gradient buffer: the
-        gradients there have been sent by then, so the sum needs no buffer of its own.
-        """
+    def _start_reduction(self, index: int) -> None:
+        """Start summing bucket ``index``'s gradients over ranks (in place, see below)."""
+        bucket = self.layout.buckets[index]
         grads = self._grads[bucket.offset:bucket.offset + bucket.size]
+        self._next_start = index - 1
         if self.world_size == 1:
-            return grads
-        if not self._exchange_16bit:
-            self.comm.reduce_scatter_sum(grads)
-            return grads[:bucket.shard_size]
-        received = self._received[:bucket.size]
-        self.comm.alltoall(grads, received)
-        reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / N
-        self._adam.sum_blocks(received.reshape(self.world_size, bucket.shard_size), reduced)
+            self._reduced[index] = grads
+        elif not self._exchange_16bit:
+            self._started[index] = (self.comm.start_reduce_scatter(grads), None)
+        else:
+            slot = index % len(self._received)
+            if self._slot_owner[slot] is not None:
+                self._finish_reduction(self._slot_owner[slot])
+            self._slot_owner[slot] = index
+            received = self._received[slot, :bucket.size]
+            self._started[index] = (self.comm.start_alltoall(grads, received), slot)
+
+    def _finish_reduction(self, index: int):
+        """This rank's shard of bucket ``index``'s gradients, summed over ranks.
+
+        The sum lives at the start of the bucket's range of the gradient buffer: the gradients
+        there have been sent by then, so the sum needs no buffer of its own.
+        """
+        if index in self._reduced:
+            return self._reduced[index]
+        request, slot = self._started.pop(index)
+        request.wait()
+        bucket = self.layout.buckets[index]
+        grads = self._grads[bucket.offset:bucket.offset + bucket.size]
+        if slot is None:
+            reduced = grads[:bucket.shard_size]
+        else:
+            reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / N
+            blocks = self._received[slot, :bucket.size].reshape(self.world_size, -1)
+            self._adam.sum_blocks(blocks, reduced)
+            self._slot_owner[slot] = None
+        self._reduced[index] = reduced
         return reduced
 
     def _update_shard(self, bucket, grads, scalars) -> None:
@@ -340,6 +424,24 @@ class ZeroAdam:
             else:
                 self._adam(grads[sl], self._params[lo + a:lo + b], self._exp_avg[st],
                            self._exp_avg_sq[st], None, s)
+
+
+class _Views(Mapping):
+    """A read-only mapping of name -> view; ``before_read`` runs before each lookup."""
+
+    def __init__(self, views: dict, before_read=None):
+        self._views, self._before_read = views, before_read
+
+    def __getitem__(self, name):
+        if self._before_read is not None:
+            self._before_read()
+        return self._views[name]
+
+    def __iter__(self):
+        return iter(self._views)
+
+    def __len__(self):
+        return len(self._views)
 
 
 def _options(group: dict, kind=list):
