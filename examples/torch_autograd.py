@@ -6,6 +6,7 @@ the optimizer's flat buffers (no copies), so autograd writes gradients straight 
 batches; the optimizer averages the gradients over ranks (ZeRO stage 1 AdamW with clipping).
 
     mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --dtype bfloat16
+    mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --overlap  # comm during backward
     mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --reference ddp
     mpiexec -n 2 python -m mpi4py examples/torch_autograd.py --device cuda   # DLPack + CuPy
 
@@ -33,6 +34,8 @@ parser.add_argument("--batch", type=int, default=32, help="examples per rank per
 parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 parser.add_argument("--reference", default="none", choices=["none", "ddp"])
+parser.add_argument("--overlap", action="store_true",
+                    help="start reductions from autograd hooks; gather lazily before forward")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--log-every", type=int, default=10)
 args = parser.parse_args()
@@ -104,12 +107,19 @@ def train_zero1():
         p.data = as_tensor(opt.params[name])
         p.grad = as_tensor(opt.grads[name])
     pointers = {k: (p.data_ptr(), p.grad.data_ptr()) for k, p in named.items()}
+    if args.overlap:
+        # Each parameter's gradient is final once autograd has accumulated it: its bucket's
+        # reduction can start while backward goes on through the earlier layers.
+        for name, p in named.items():
+            p.register_post_accumulate_grad_hook(lambda _, name=name: opt.grads_ready([name]))
+        # The all-gather of step(wait=False) completes only when the next forward needs it.
+        model.register_forward_pre_hook(lambda *_: opt.wait())
     losses = []
     for step in range(args.steps):
         x, y = batch(step)
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         loss.backward()                      # accumulates into opt.grads, in place
-        opt.step()                           # averages over ranks; leaves the grads zeroed
+        opt.step(wait=not args.overlap)      # averages over ranks; leaves the grads zeroed
         losses.append(comm.allreduce(loss.item()) / size)
         log(step, losses[-1])
     if any((p.data_ptr(), p.grad.data_ptr()) != pointers[k] for k, p in named.items()):
