@@ -55,3 +55,15 @@ def test_not_a_communicator(bad):
 def test_comm_null():
     with pytest.raises(ValueError, match="COMM_NULL"):
         Communicator(MPI.COMM_NULL)
+
+
+def test_nccl_communicator_needs_cupy_and_says_so():
+    try:
+        import cupy.cuda.nccl  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("CuPy with NCCL is installed: tests/test_gpu.py covers NcclCommunicator")
+    from zero1_mpi.nccl import NcclCommunicator
+    with pytest.raises(ImportError, match="NcclCommunicator needs CuPy built with NCCL"):
+        NcclCommunicator(MPI.COMM_SELF)

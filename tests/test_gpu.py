@@ -85,6 +85,9 @@ def test_optimizer_on_cupy_arrays_keeps_views_on_the_gpu():
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_parity_on_cupy_arrays(n):
-    out = run_mpi(n, "parity.py", "cupy", timeout=300).stdout
-    assert f"on {n} ranks (cupy)" in out
+@pytest.mark.parametrize("via", ["mpi", "nccl"])
+def test_parity_on_cupy_arrays(n, via):
+    if via == "nccl" and cupy.cuda.runtime.getDeviceCount() < n:
+        pytest.skip(f"NCCL needs a GPU per rank: {n} ranks, fewer GPUs")
+    out = run_mpi(n, "parity.py", "cupy", via, timeout=300).stdout
+    assert f"on {n} ranks (cupy{' via NCCL' if via == 'nccl' else ''})" in out

@@ -108,6 +108,7 @@ def worker(args) -> dict:
         return {"reduce": t["reduce"] + t["agree"], "optimizer": t["update"],
                 "gather": t["gather"]}
 
+    result["overlap"] = overlap_experiment(np, comm, MPI, opt, shapes, args)
     report = opt.memory_report()
     result["zero1"] = {**median_phases(zero1_step),
                        "bytes": comm.allreduce(report.total, op=MPI.MAX),
@@ -148,6 +149,48 @@ def worker(args) -> dict:
     if args.torch and dtype == np.float32:
         result["torch_zero"] = torch_zero(comm, MPI, shapes, grads, init, median_phases)
     return result
+
+
+def overlap_experiment(np, comm, MPI, opt, shapes, args, batch=64) -> dict:
+    """How much of the gradient reduction hides behind a backward pass.
+
+    The backward is simulated with the matrix products a real one does (dW = dy^T x for a
+    batch of ``batch`` rows, db = sum dy), layer by layer from the last. Once blocking:
+    backward, then ``step()``; once overlapped: ``grads_ready`` after each layer, then
+    ``step()``. The reduce time left in ``step()`` is compared.
+    """
+    rng = np.random.default_rng(0)
+    inputs = {k: (rng.standard_normal((batch, s[-1])).astype(np.float32),
+                  rng.standard_normal((batch, s[0])).astype(np.float32)) for k, s in shapes.items()}
+
+    def backward(overlap):
+        for name in reversed(list(shapes)):
+            x, dy = inputs[name]
+            grad = dy.T @ x if len(shapes[name]) == 2 else dy.sum(axis=0)
+            opt.grads[name][...] = grad * 1e-3
+            if overlap:
+                opt.grads_ready([name])
+
+    out = {}
+    for overlap in (False, True):
+        backward_s, reduce_s, total_s = [], [], []
+        for i in range(args.warmup + args.steps):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            backward(overlap)
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if i >= args.warmup:
+                backward_s.append(comm.allreduce(t1 - t0, op=MPI.MAX))
+                reduce_s.append(comm.allreduce(opt.last_step_seconds["reduce"], op=MPI.MAX))
+                total_s.append(comm.allreduce(t2 - t0, op=MPI.MAX))
+        out["overlapped" if overlap else "blocking"] = {
+            "backward": statistics.median(backward_s), "reduce_in_step": statistics.median(
+                reduce_s), "iteration": statistics.median(total_s)}
+    blocking, overlapped = out["blocking"]["reduce_in_step"], out["overlapped"]["reduce_in_step"]
+    out["hidden_fraction"] = 1 - overlapped / blocking if blocking > 0 else 0.0
+    return out
 
 
 def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
@@ -302,6 +345,17 @@ def table(results: list[dict]) -> str:
                 lines.append(f"| {r['world_size']} | {name} | {k[name]['Gelem_per_s']:.2f} | "
                              f"{k[name]['GBps']:.1f} | {k[name]['GBps'] / k['copy_GBps']:.0%} | "
                              f"{vs} |")
+    lines += ["", "| N | backward ms | reduce left in step(), blocking | ... overlapped with "
+              "grads_ready() | hidden | iteration ms blocking / overlapped |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        o = r.get("overlap")
+        if o and r["world_size"] > 1:
+            b, v = o["blocking"], o["overlapped"]
+            lines.append(f"| {r['world_size']} | {b['backward'] * 1e3:.1f} | "
+                         f"{b['reduce_in_step'] * 1e3:.1f} | {v['reduce_in_step'] * 1e3:.1f} | "
+                         f"{o['hidden_fraction']:.0%} | {b['iteration'] * 1e3:.1f} / "
+                         f"{v['iteration'] * 1e3:.1f} |")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export ZERO1_REQUIRE_GPU=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 "$PY" -c "import cupy; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"
 timeout 240 "$PY" -m pytest -q -rs tests/test_gpu.py
+timeout 60 "$PY" tools/gpu_bench.py
 for dtype in float32 bfloat16; do
   timeout 60 mpiexec -n 2 "$PY" -m mpi4py examples/train_mlp.py --backend cupy --dtype "$dtype" --steps 100
 done

@@ -164,11 +164,17 @@ class Communicator:
         with self._host_view(buf, "bcast") as host:
             self.comm.Bcast([_bytes(host), MPI.BYTE], root=root)
 
-    def reduce_scatter_sum(self, buf) -> None:
-        """In place: afterwards ``buf[:len(buf) // size]`` is this rank's block of the sum."""
+    def reduce_scatter_sum(self, buf):
+        """In place: this rank's block of the sum over ranks lands in ``buf`` at
+        ``reduced_block(buf)``, which is returned."""
         mpi_type = _reduce_type(buf.dtype)
         with self._host_view(buf, "reduce_scatter") as host:
             self.comm.Reduce_scatter_block(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
+        return self.reduced_block(buf)
+
+    def reduced_block(self, buf):
+        """Where an in-place reduce-scatter leaves this rank's block: MPI puts it first."""
+        return buf[:buf.size // self.size]
 
     def allreduce_sum(self, values) -> np.ndarray:
         """Element-wise float64 sum of a few host numbers over ranks (inf/nan propagate)."""

@@ -400,7 +400,7 @@ class ZeroAdam:
         bucket = self.layout.buckets[index]
         grads = self._grads[bucket.offset:bucket.offset + bucket.size]
         if slot is None:
-            reduced = grads[:bucket.shard_size]
+            reduced = self.comm.reduced_block(grads)
         else:
             reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / N
             blocks = self._received[slot, :bucket.size].reshape(self.world_size, -1)

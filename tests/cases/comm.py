@@ -44,10 +44,11 @@ def check_collectives(comm):
         # Reduce-scatter exists for the dtypes MPI can sum.
         if name != "bfloat16":
             buf = send.copy()
-            comm.reduce_scatter_sum(buf)  # in place: my block of the sum lands at the front
+            got = comm.reduce_scatter_sum(buf)  # in place: MPI leaves my block at the front
             want = sum(exact_values(n, r, np.float32) for r in range(size))
             mine = want[rank * block:(rank + 1) * block].astype(dtype)
-            assert np.array_equal(buf[:block], mine), name
+            assert np.shares_memory(got, buf[:block]) and got.size == block, name
+            assert np.array_equal(got, mine), name
         else:
             try:
                 comm.reduce_scatter_sum(send.copy())

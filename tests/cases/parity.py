@@ -17,6 +17,7 @@ from zero1_mpi import ZeroAdam, ZeroAdamW
 from zero1_mpi.backend import resolve_dtype, to_numpy, xp_for
 
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "numpy"
+USE_NCCL = sys.argv[2:3] == ["nccl"]  # CuPy buffers through zero1_mpi.nccl instead of MPI
 xp = xp_for(BACKEND)
 
 STEPS = 20
@@ -47,6 +48,9 @@ def check(comm, layout_name, dtype_name, cls, weight_decay):
             for k, s in shapes.items()}
     hyper = {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-6} if "buckets" in layout_name else \
         {"lr": 1e-2}  # torch's default betas and eps elsewhere
+    if USE_NCCL:
+        from zero1_mpi.nccl import NcclCommunicator
+        comm = NcclCommunicator(comm)
     opt = cls(init, comm, weight_decay=weight_decay, param_dtype=dtype_name, **hyper, **options)
     rank0_init = {k: np.random.default_rng([3, 0]).standard_normal(s).astype(np.float32)
                   for k, s in shapes.items()}
@@ -73,7 +77,7 @@ def check(comm, layout_name, dtype_name, cls, weight_decay):
                                      f"{weight_decay}: step {step}, {k!r} off by {err} on rank "
                                      f"{rank} of {size}")
     digest = hashlib.sha256(to_numpy(opt._params).tobytes()).hexdigest()
-    if len(set(comm.allgather(digest))) != 1:
+    if len(set(MPI.COMM_WORLD.allgather(digest))) != 1:
         raise AssertionError(f"{layout_name}/{dtype_name}: parameters differ between ranks")
 
 
@@ -91,7 +95,9 @@ def main():
                 check(comm, layout_name, dtype_name, cls, wd)
                 cases += 1
     if comm.Get_rank() == 0:
-        print(f"OK parity: {cases} cases x {STEPS} steps on {comm.Get_size()} ranks ({BACKEND})")
+        via = " via NCCL" if USE_NCCL else ""
+        print(f"OK parity: {cases} cases x {STEPS} steps on {comm.Get_size()} ranks "
+              f"({BACKEND}{via})")
 
 
 if __name__ == "__main__":

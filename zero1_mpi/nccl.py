@@ -1,0 +1,136 @@
+"""An NCCL communicator for CuPy buffers behind the ``Communicator`` interface (GPU fast path).
+
+Optional: ``ZeroAdam(params, comm=NcclCommunicator(MPI.COMM_WORLD))`` with CuPy parameters.
+Collectives on device buffers run through NCCL (``cupy.cuda.nccl``) on the current CuPy stream,
+with no staging and no CUDA-aware MPI needed; agreement, the few host numbers of each step and
+checkpoint traffic stay on MPI, which also carries NCCL's unique id from rank 0 to the others.
+A started NCCL collective is a CUDA event: ``wait()`` waits for it on the host. Pick each
+rank's GPU (by node-local rank) before building it. Must be built on all ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import backend
+from .comm import Communicator, Request
+
+
+def _nccl():
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise ImportError("NcclCommunicator needs CuPy built with NCCL: pip install "
+                          "'zero1-mpi[cuda12]' (or [cuda13]) and nvidia-nccl-cu12") from exc
+    return nccl
+
+
+class NcclCommunicator(Communicator):
+    """``Communicator`` whose device-buffer collectives go through NCCL."""
+
+    def __init__(self, comm=None):
+        super().__init__(comm, cuda_aware=False)
+        error = None
+        try:
+            nccl = _nccl()
+            self._types = {"float32": nccl.NCCL_FLOAT32, "float16": nccl.NCCL_FLOAT16,
+                           "bfloat16": getattr(nccl, "NCCL_BFLOAT16", None)}
+            self._bytes_type, self._sum = nccl.NCCL_UINT8, nccl.NCCL_SUM
+            self._group = (nccl.groupStart, nccl.groupEnd)
+        except ImportError as exc:
+            error = exc
+        self.agree(error)
+        uid = self.comm.bcast(nccl.get_unique_id() if self.rank == 0 else None)
+        self.nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
+
+    # Device buffers through NCCL; host buffers (tests, checkpoints) through MPI as before.
+
+    def bcast(self, buf, root: int = 0) -> None:
+        if not backend.is_device_array(buf):
+            return super().bcast(buf, root)
+        self.nccl.bcast(_ptr(buf), buf.nbytes, self._bytes_type, root, _stream())
+
+    def reduce_scatter_sum(self, buf):
+        if not backend.is_device_array(buf):
+            return super().reduce_scatter_sum(buf)
+        block = self.reduced_block(buf)  # NCCL in place: recvbuff = sendbuff + rank * count
+        self.nccl.reduceScatter(_ptr(buf), _ptr(block), block.size, self._type(buf), self._sum,
+                                _stream())
+        return block
+
+    def reduced_block(self, buf):
+        if not backend.is_device_array(buf):
+            return super().reduced_block(buf)
+        count = buf.size // self.size
+        return buf[self.rank * count:(self.rank + 1) * count]
+
+    def alltoall(self, send, recv) -> None:
+        if not backend.is_device_array(send):
+            return super().alltoall(send, recv)
+        block = send.nbytes // self.size
+        start, end = self._group
+        start()
+        for peer in range(self.size):  # NCCL has no all-to-all: grouped sends and receives
+            self.nccl.send(_ptr(send) + peer * block, block, self._bytes_type, peer, _stream())
+            self.nccl.recv(_ptr(recv) + peer * block, block, self._bytes_type, peer, _stream())
+        end()
+
+    def allgather_inplace(self, buf) -> None:
+        if not backend.is_device_array(buf):
+            return super().allgather_inplace(buf)
+        block = buf.nbytes // self.size
+        self.nccl.allGather(_ptr(buf) + self.rank * block, _ptr(buf), block, self._bytes_type,
+                            _stream())
+
+    def start_reduce_scatter(self, buf) -> Request:
+        if not backend.is_device_array(buf):
+            return super().start_reduce_scatter(buf)
+        self.reduce_scatter_sum(buf)
+        return _event()
+
+    def start_alltoall(self, send, recv) -> Request:
+        if not backend.is_device_array(send):
+            return super().start_alltoall(send, recv)
+        self.alltoall(send, recv)
+        return _event()
+
+    def start_allgather(self, buf) -> Request:
+        if not backend.is_device_array(buf):
+            return super().start_allgather(buf)
+        self.allgather_inplace(buf)
+        return _event()
+
+    def _type(self, buf) -> int:
+        kind = self._types.get(np.dtype(buf.dtype).name)
+        if kind is None:
+            raise TypeError(f"NCCL has no sum for {buf.dtype}")
+        return kind
+
+
+class _EventRequest(Request):
+    """Work queued on a stream, complete when its event is."""
+
+    def __init__(self, event):
+        super().__init__()
+        self._event = event
+
+    def test(self) -> bool:
+        return self._event.done
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+def _event() -> Request:
+    cupy = backend.xp_for("cupy")
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record()
+    return _EventRequest(event)
+
+
+def _ptr(buf) -> int:
+    return buf.data.ptr
+
+
+def _stream() -> int:
+    return backend.xp_for("cupy").cuda.get_current_stream().ptr
