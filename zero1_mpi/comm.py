@@ -246,11 +246,14 @@ class Communicator:
         request.Start()
         return Request(request)
 
-    def close(self) -> None:
-        """Free the persistent requests (they hold the buffers they were made for)."""
-        for request in self._persistent.values():
-            request.Free()
-        self._persistent.clear()
+    def close(self, buffers=None) -> None:
+        """Free the persistent requests made for ``buffers`` (arrays; default: all of them).
+        Every one of them must be complete."""
+        spans = None if buffers is None else [(_address(b), _address(b) + b.nbytes)
+                                              for b in buffers if b is not None]
+        for key in list(self._persistent):
+            if spans is None or any(lo <= key[1] < hi for lo, hi in spans):
+                self._persistent.pop(key).Free()
 
     # -- staging -------------------------------------------------------------------------------
 

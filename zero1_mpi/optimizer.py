@@ -324,7 +324,7 @@ class ZeroAdam:
         self._gathers = []
         self._new_round()
         # Persistent requests hold these buffers: free them when the optimizer goes.
-        weakref.finalize(self, self.comm.close)
+        weakref.finalize(self, self.comm.close, [self._params, self._grads, self._received])
         self._adam = make_adam(self.kernel, max(b.shard_size for b in layout.buckets))
 
     def _views(self, flat) -> dict:

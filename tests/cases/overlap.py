@@ -48,8 +48,29 @@ def main():
         overlapped.step(wait=False)
         overlapped.wait()
         assert not overlapped._gathers
+    shared_communicator()
     if rank == 0:
         print(f"OK overlap on {size} ranks")
+
+
+def shared_communicator():
+    """Two optimizers on one Communicator: dropping one frees only its persistent requests."""
+    import gc
+
+    from zero1_mpi import Communicator
+    shared = Communicator(comm)
+    first, second = (ZeroAdamW({"w": np.ones(1000, np.float32)}, shared, lr=0.1)
+                     for _ in range(2))
+    for opt in (first, second):
+        opt.grads["w"][...] = 1.0
+        opt.step()
+    held = len(shared._persistent)
+    del first, opt
+    gc.collect()
+    assert 0 < len(shared._persistent) < held or size == 1, (held, len(shared._persistent))
+    second.grads["w"][...] = 1.0
+    second.step()
+    assert np.allclose(second.params["w"], 1 - 0.1 * 0.01 * 2 - 0.1 * 2, atol=1e-3)
 
 
 if __name__ == "__main__":
