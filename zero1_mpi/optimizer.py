@@ -148,7 +148,8 @@ class ZeroAdam:
         starts as soon as all its tensors are ready and every later bucket has started (the
         buckets go last to first, the order of a backward pass, the same on every rank).
         Optional: ``step()`` starts whatever has not started. Must be called on all ranks,
-        with the same names before each ``step()``.
+        with the same names before each ``step()``; do not write those gradients again before
+        ``step()`` (MPI may be reading them).
         """
         with self.comm.abort_on_error("in grads_ready()"):
             for name in [names] if isinstance(names, str) else names:
@@ -174,7 +175,13 @@ class ZeroAdam:
             self._gathers.clear()
 
     def zero_grad(self) -> None:
-        """Set every gradient to zero (``step()`` also leaves them zeroed)."""
+        """Set every gradient to zero (``step()`` also leaves them zeroed). Reductions that
+        ``grads_ready`` started for this step are completed and forgotten first."""
+        if self._started or self._reduced:
+            with self.comm.abort_on_error("in zero_grad() while completing reductions"):
+                for request, _ in self._started.values():
+                    request.wait()
+            self._new_round()
         self._grads.fill(0)
 
     def step(self, wait: bool = True) -> StepInfo:
@@ -259,22 +266,26 @@ class ZeroAdam:
         shard; the previous checkpoint stays loadable until this one is complete); keep the
         newest ``keep`` checkpoints there (None: all). Must be called on all ranks. Returns
         the new checkpoint's directory."""
+        self.wait()
         return checkpoint.save(self, path, keep)
 
     def load(self, path):
         """Load the checkpoint at ``path`` (the directory given to ``save``, or one checkpoint
         in it), saved at any world size. Must be called on all ranks. Nothing changes if the
         checkpoint is bad: the error is raised on every rank."""
+        self.wait()
         return checkpoint.load(self, path)
 
     def save_consolidated(self, path):
         """Write the full fp32 master weights and Adam state, by parameter name, to one
         safetensors file, streaming through rank 0. Must be called on all ranks."""
+        self.wait()
         return export.save_consolidated(self, path)
 
     def load_consolidated(self, path):
         """Load a file written by ``save_consolidated``, at any world size. Must be called
         on all ranks."""
+        self.wait()
         return export.load_consolidated(self, path)
 
     def memory_report(self) -> MemoryReport:
