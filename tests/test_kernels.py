@@ -128,14 +128,14 @@ SPECIAL = np.array([0.0, -0.0, 1.0, -2.5, 65504, 65519.99, 65520, 1e9, -1e9, 6e-
                     np.inf, -np.inf], np.float32)
 
 
-@pytest.mark.parametrize("dtype, convert", [("float16", "_f32_to_f16"),
-                                            ("bfloat16", "_f32_to_bf16")])
+@pytest.mark.parametrize("dtype, convert", [("float16", "_narrow_f16"),
+                                            ("bfloat16", "_narrow_bf16")])
 def test_numba_rounding_to_16_bits_matches_numpy(dtype, convert):
     rng = np.random.default_rng(0)
     values = np.concatenate([SPECIAL, (rng.standard_normal(200_000) * 10.0 ** rng.integers(
         -9, 6, 200_000)).astype(np.float32)])
     out = np.empty(values.size, np.uint16)
-    getattr(numba_kernels, convert)(values, values.size, out, 0)
+    getattr(numba_kernels, convert)(values, out)
     with np.errstate(over="ignore"):
         assert np.array_equal(out, values.astype(resolve_dtype(dtype)).view(np.uint16))
 

@@ -139,8 +139,10 @@ def worker(args) -> dict:
         kernel(summed, master, m, v, params16, scalars)
         return {"reduce": t1 - t0, "optimizer": time.perf_counter() - t1}
 
-    baseline_bytes = psi * (2 * dtype.itemsize + 8 + (4 if dtype != np.float32 else 0)) \
-        + summed.nbytes
+    # params + grads (16-bit or fp32), m + v, the fp32 master for 16-bit params, and for
+    # 16-bit grads the fp32 buffer they are summed in (fp32 grads are summed in place).
+    mixed = dtype != np.float32
+    baseline_bytes = psi * (2 * dtype.itemsize + 8) + (psi * 4 + summed.nbytes if mixed else 0)
     result["baseline"] = {**median_phases(baseline_step), "bytes": baseline_bytes,
                           "state_bytes": psi * (8 + (4 if dtype != np.float32 else 0))}
 
@@ -211,7 +213,11 @@ def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
     src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
     copy_gbs = 2 * src.nbytes / best(lambda: np.copyto(dst, src)) / 1e9
     mixed = dtype != np.float32
-    grad_in = np.full(n, 1e-3, np.float32)  # zero1 (N > 1) hands the kernel fp32 sums
+    # The kernel's input: the gradients themselves on one rank; on more, their fp32 sums.
+    inputs = {"": np.full(n, 1e-3, np.float32)}
+    if mixed:
+        inputs = {" (16-bit grads in)": np.full(n, 1e-3, dtype),
+                  " (fp32 sums in, N > 1)": inputs[""]}
     master, m, v = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
     param = np.ones(n, dtype) if mixed else None
     s = AdamScalars.for_step(1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -221,9 +227,10 @@ def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
     kernels = ["numpy"] + (["numba"] if resolve_cpu_kernel() == "numba" else [])
     for name in kernels:
         kernel = make_adam(name, n)
-        rate = n / best(lambda: kernel(grad_in, master, m, v, param, s))
-        out[f"zero1_{name}"] = {"Gelem_per_s": rate / 1e9,
-                                "GBps": rate * bytes_per_element / 1e9}
+        for label, grad_in in inputs.items():
+            rate = n / best(lambda: kernel(grad_in, master, m, v, param, s))
+            out[f"zero1_{name}{label}"] = {"Gelem_per_s": rate / 1e9,
+                                           "GBps": rate * bytes_per_element / 1e9}
     if args.torch:
         import torch
         torch.set_num_threads(1)
@@ -232,9 +239,10 @@ def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
         if mixed:
             tdtype = torch.bfloat16 if dtype.name == "bfloat16" else torch.float16
             g16, p16 = torch.full((n,), 1e-3, dtype=tdtype), torch.ones(n, dtype=tdtype)
+            p.grad = torch.empty(n)
 
             def torch_step():  # the same job: 16-bit grads in, fp32 AdamW, 16-bit params out
-                p.grad = g16.float()
+                p.grad.copy_(g16)
                 opt.step()
                 p16.copy_(p.detach())
         else:
@@ -339,7 +347,7 @@ def table(results: list[dict]) -> str:
     for r in results:
         k = r["kernels"]
         ref = k.get("torch_fused_adamw", {}).get("Gelem_per_s")
-        for name in ("zero1_numpy", "zero1_numba", "torch_fused_adamw"):
+        for name in [key for key in k if key.startswith(("zero1", "torch"))]:
             if name in k:
                 vs = f"{k[name]['Gelem_per_s'] / ref:.2f}x" if ref else "-"
                 lines.append(f"| {r['world_size']} | {name} | {k[name]['Gelem_per_s']:.2f} | "

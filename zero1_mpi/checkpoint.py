@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
+from .params import group_record, restore_options
 from .scaler import LossScaler
 
 FORMAT = "zero1_mpi.checkpoint"
@@ -66,7 +67,7 @@ def save(opt, path, keep: int | None = None) -> Path:
     info = error = None
     try:
         info = _write_shard(opt, tmp / f"shard-{comm.rank:05d}.npy")
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = CheckpointError(f"cannot write {tmp.name}/shard-{comm.rank:05d}.npy: {exc}")
     comm.agree(error)
     infos = comm.comm.gather(info, root=0)
@@ -75,7 +76,7 @@ def save(opt, path, keep: int | None = None) -> Path:
     if comm.rank == 0:
         try:
             final = _publish(opt, root, tmp, infos, keep)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = CheckpointError(f"cannot publish the checkpoint under {root}: {exc}")
     comm.agree(error)
     return root / comm.comm.bcast(final)
@@ -125,8 +126,7 @@ def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
         "rows": list(ROWS[:3 + opt._mixed]),
         "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
                     for t in opt.layout.tensors],
-        "param_groups": [{**g, "names": list(g["names"]), "betas": list(g["betas"])}
-                         for g in opt.param_groups],
+        "param_groups": [group_record(g) for g in opt.param_groups],
         "decoupled_weight_decay": opt.decoupled_weight_decay,
         "max_grad_norm": opt.max_grad_norm, "loss_scaler": opt.scaler.state(),
         "files": infos,
@@ -184,11 +184,15 @@ def load(opt, path) -> Path:
     """Load the checkpoint at ``path`` (a root with ``LATEST``, or one checkpoint directory)
     into ``opt``, whatever world size saved it; return the checkpoint directory."""
     comm = opt.comm
-    error = reads = manifest = ckpt = None
+    error = reads = manifest = ckpt = counters = None
     try:
         ckpt = resolve(Path(path))
         manifest = read_manifest(ckpt)
         check_compatible(opt, manifest, ckpt)
+        counters = _counters(manifest, opt.param_groups, ckpt / MANIFEST)
+        if manifest.get("fingerprint") != fingerprint(opt):
+            raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the "
+                                  "optimizer's")
         reads = plan_reads(opt.layout.owned(opt.rank), manifest["files"])
         needed = {read[0] for read in reads}
         for index, entry in enumerate(manifest["files"]):
@@ -201,6 +205,8 @@ def load(opt, path) -> Path:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         error = CheckpointError(f"cannot load a checkpoint from {path}: {exc}")
     comm.agree(error)
+    comm.check_same(ckpt.name, "the checkpoint that LATEST names", "do not save into the root "
+                    "while loading from it (or pass the checkpoint directory itself)")
 
     with comm.abort_on_error(f"while reading the checkpoint {ckpt}"):
         maps = {}
@@ -215,16 +221,28 @@ def load(opt, path) -> Path:
         del maps
         for bucket in opt.layout.buckets:
             opt.comm.allgather_inplace(opt._params[bucket.offset:bucket.offset + bucket.size])
-        _restore_counters(opt, manifest)
+        apply_counters(opt, counters)
     return ckpt
 
 
-def _restore_counters(opt, manifest: dict) -> None:
-    opt.step_count = manifest["step"]
-    opt.scaler = LossScaler.from_state(manifest["loss_scaler"])
-    for group, saved in zip(opt.param_groups, manifest["param_groups"]):
-        group.update({k: saved[k] for k in ("lr", "eps", "weight_decay")},
-                     betas=tuple(saved["betas"]))
+def _counters(manifest: dict, groups: list, where) -> tuple:
+    """``(step, loss scaler, group options)`` of a checkpoint, checked before anything
+    changes."""
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{where}: step={step!r} is not a step count")
+    try:
+        scaler = LossScaler.from_state(manifest["loss_scaler"])
+        options = restore_options(groups, manifest["param_groups"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    return step, scaler, options
+
+
+def apply_counters(opt, counters: tuple) -> None:
+    opt.step_count, opt.scaler, options = counters
+    for group, saved in zip(opt.param_groups, options):
+        group.update(saved)
 
 
 def resolve(path: Path) -> Path:
@@ -287,12 +305,7 @@ def check_compatible(opt, manifest: dict, ckpt: Path) -> None:
     if manifest["param_dtype"] != opt.param_dtype.name:
         raise CheckpointError(f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
                               f"the optimizer has {opt.param_dtype.name!r}: use the same")
-    groups = [list(g["names"]) for g in manifest["param_groups"]]
-    if groups != [list(g["names"]) for g in opt.param_groups]:
-        raise CheckpointError(f"{ckpt} has other param groups ({[len(g) for g in groups]} "
-                              "tensors per group): build the optimizer with the same groups")
-    if manifest.get("fingerprint") != fingerprint(opt):
-        raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the optimizer's")
+
 
 
 def fingerprint(opt) -> str:

@@ -247,13 +247,15 @@ class Communicator:
         return Request(request)
 
     def close(self, buffers=None) -> None:
-        """Free the persistent requests made for ``buffers`` (arrays; default: all of them).
-        Every one of them must be complete."""
+        """Complete and free the persistent requests made for ``buffers`` (arrays; default:
+        all of them)."""
         spans = None if buffers is None else [(_address(b), _address(b) + b.nbytes)
                                               for b in buffers if b is not None]
         for key in list(self._persistent):
             if spans is None or any(lo <= key[1] < hi for lo, hi in spans):
-                self._persistent.pop(key).Free()
+                request = self._persistent.pop(key)
+                request.Wait()  # MPI may not free an active request; inactive: returns at once
+                request.Free()
 
     # -- staging -------------------------------------------------------------------------------
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .checkpoint import CHUNK, CheckpointError, _row_views
-from .scaler import LossScaler
+from .checkpoint import CHUNK, CheckpointError, _counters, _row_views, apply_counters
+from .params import group_record
 
 FORMAT = "zero1_mpi.consolidated"
 VERSION = "1"
@@ -40,7 +40,7 @@ def save_consolidated(opt, path) -> Path:
             file.parent.mkdir(parents=True, exist_ok=True)
             out = open(tmp, "wb")
             out.write(struct.pack("<Q", len(header)) + header)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = CheckpointError(f"cannot write {file}: {exc}")
     comm.agree(error)
 
@@ -68,7 +68,7 @@ def save_consolidated(opt, path) -> Path:
             os.fsync(out.fileno())
             out.close()
             os.replace(tmp, file)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = CheckpointError(f"cannot write {file}: {exc}")
     comm.agree(error)
     return file
@@ -77,9 +77,13 @@ def save_consolidated(opt, path) -> Path:
 def load_consolidated(opt, path) -> Path:
     """Load a file written by ``save_consolidated`` (at any world size) into ``opt``."""
     comm, file = opt.comm, Path(path)
-    error = entries = data_start = metadata = None
+    error = entries = data_start = counters = None
     try:
         entries, data_start, metadata = _read_header(opt, file)
+        counters = _counters({"step": _int(metadata.get("step")),
+                              "loss_scaler": json.loads(metadata["loss_scaler"]),
+                              "param_groups": json.loads(metadata["param_groups"])},
+                             opt.param_groups, file)
     except CheckpointError as exc:
         error = exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -104,12 +108,12 @@ def load_consolidated(opt, path) -> Path:
                         views[3][...] = views[0].astype(opt.param_dtype)
         for bucket in opt.layout.buckets:
             comm.allgather_inplace(opt._params[bucket.offset:bucket.offset + bucket.size])
-        opt.step_count = int(metadata["step"])
-        opt.scaler = LossScaler.from_state(json.loads(metadata["loss_scaler"]))
-        for group, saved in zip(opt.param_groups, json.loads(metadata["param_groups"])):
-            group.update({k: saved[k] for k in ("lr", "eps", "weight_decay")},
-                         betas=tuple(saved["betas"]))
+        apply_counters(opt, counters)
     return file
+
+
+def _int(text):
+    return int(text) if isinstance(text, str) and text.isdigit() else text
 
 
 def _pieces_in_flat_order(layout):
@@ -127,8 +131,7 @@ def _header(opt) -> bytes:
         "format": FORMAT, "version": VERSION, "step": str(opt.step_count),
         "param_dtype": opt.param_dtype.name,
         "loss_scaler": json.dumps(opt.scaler.state()),
-        "param_groups": json.dumps([{**g, "names": list(g["names"])}
-                                    for g in opt.param_groups])}}
+        "param_groups": json.dumps([group_record(g) for g in opt.param_groups])}}
     offset = 0
     for kind in KINDS:
         for t in opt.layout.tensors:
@@ -178,8 +181,4 @@ def _read_header(opt, file: Path):
                 raise CheckpointError(f"{file}: {key!r} lies outside the file's data "
                                       f"({begin}..{end} of {data_bytes} bytes): truncated?")
             entries[key] = (begin, end)
-    groups = [g["names"] for g in json.loads(metadata["param_groups"])]
-    if groups != [list(g["names"]) for g in opt.param_groups]:
-        raise CheckpointError(f"{file} has other param groups: build the optimizer with the "
-                              "groups it was saved with")
     return entries, 8 + length, metadata

@@ -24,41 +24,38 @@ _NO_U16 = np.empty(0, np.uint16)
 CHUNK = 4096  # elements of scratch per pass: 16 KiB, stays in L1
 
 
-@njit(cache=True, error_model="numpy", nogil=True)
-def _to_f32(grad32, grad16, kind, start, count, scale, table, out):
-    """``out[:count]`` = gradient elements ``start..`` in fp32, times ``scale``."""
-    if kind == FP32:
-        for i in range(count):
-            out[i] = grad32[start + i] * scale
-    elif kind == BF16:
-        bits = out.view(np.uint32)
-        for i in range(count):
-            bits[i] = np.uint32(grad16[start + i]) << np.uint32(16)
-        for i in range(count):
-            out[i] = out[i] * scale
+# Each pass is its own (not inlined) function over whole slices: that is what lets LLVM
+# vectorize it; fused into one loop the same work ran 30-40% slower.
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="never")
+def _widen(bits16, kind, table, out):
+    """``out`` = the 16-bit values ``bits16`` (bf16 or fp16 patterns) as fp32, exactly."""
+    if kind == BF16:
+        out32 = out.view(np.uint32)
+        for i in range(bits16.size):
+            out32[i] = np.uint32(bits16[i]) << np.uint32(16)
     else:
-        for i in range(count):
-            out[i] = table[grad16[start + i]] * scale
+        for i in range(bits16.size):
+            out[i] = table[bits16[i]]
 
 
-@njit(cache=True, error_model="numpy", nogil=True)
-def _f32_to_bf16(values, count, out, start):
-    """Round ``values[:count]`` to bf16 (nearest even; NaN stays NaN) into ``out[start:]``."""
+@njit(cache=True, error_model="numpy", nogil=True, inline="never")
+def _narrow_bf16(values, out):
+    """``out`` = ``values`` rounded to bf16 (nearest even; NaN stays NaN), as bit patterns."""
     bits = values.view(np.uint32)
-    for i in range(count):
+    for i in range(values.size):
         u = bits[i]
-        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            out[start + i] = np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
-        else:
-            rounding = np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-            out[start + i] = np.uint16((u + rounding) >> np.uint32(16))
+        rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        quiet_nan = (u >> np.uint32(16)) | np.uint32(0x40)
+        is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        out[i] = np.uint16(quiet_nan if is_nan else rounded)
 
 
-@njit(cache=True, error_model="numpy", nogil=True)
-def _f32_to_f16(values, count, out, start):
-    """Round ``values[:count]`` to IEEE half (nearest even, subnormals, inf) into ``out``."""
+@njit(cache=True, error_model="numpy", nogil=True, inline="never")
+def _narrow_f16(values, out):
+    """``out`` = ``values`` rounded to IEEE half (nearest even, subnormals, inf), as bits."""
     bits = values.view(np.uint32)
-    for i in range(count):
+    for i in range(values.size):
         u = bits[i]
         sign = np.uint32((u >> np.uint32(16)) & np.uint32(0x8000))
         a = u & np.uint32(0x7FFFFFFF)
@@ -74,14 +71,14 @@ def _f32_to_f16(values, count, out, start):
             rest = r & np.uint32(0x1FFF)
             if rest > np.uint32(0x1000) or (rest == np.uint32(0x1000) and (h & np.uint32(1))):
                 h += np.uint32(1)
-        out[start + i] = np.uint16(sign | h)
+        out[i] = np.uint16(sign | h)
 
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="never")
 def _update(grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step,
             bc2_sqrt):
     """The update over one chunk (fp32 gradient in, state in place): the NumPy twin's
-    operations in its order. Kept apart so that LLVM vectorizes it."""
+    operations in its order."""
     for i in range(master.size):
         g = grad[i] * grad_scale                         # mean gradient
         p = master[i]
@@ -102,37 +99,39 @@ def _update(grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, n
 def _adam(grad32, grad16, grad_kind, master, m, v, param16, param_kind, table, scratch,
           grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt):
     n = master.size
-    size = scratch.size
-    for start in range(0, n, size):
-        stop = min(n, start + size)
-        count = stop - start
+    for start in range(0, n, scratch.size):
+        stop = min(n, start + scratch.size)
         if grad_kind == FP32:
             grad = grad32[start:stop]
         else:  # widen the 16-bit chunk into the scratch first
-            _to_f32(grad32, grad16, grad_kind, start, count, np.float32(1), table, scratch)
-            grad = scratch[:count]
+            grad = scratch[:stop - start]
+            _widen(grad16[start:stop], grad_kind, table, grad)
         _update(grad, master[start:stop], m[start:stop], v[start:stop], grad_scale, beta2,
                 omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt)
         if param_kind == BF16:
-            _f32_to_bf16(master[start:stop], count, param16, start)
+            _narrow_bf16(master[start:stop], param16[start:stop])
         elif param_kind == FP16:
-            _f32_to_f16(master[start:stop], count, param16, start)
+            _narrow_f16(master[start:stop], param16[start:stop])
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def _sum_blocks(blocks, kind, table, scratch, empty32, out):
+def _sum_blocks(blocks, kind, table, scratch, out):
     """``out`` = the rows of ``blocks`` (16-bit patterns) widened and summed in fp32, in row
     order (as the NumPy path: row 0, plus row 1, plus row 2, ...)."""
     rows, count = blocks.shape
     for start in range(0, count, scratch.size):
-        c = min(scratch.size, count - start)
-        _to_f32(empty32, blocks[0], kind, start, c, np.float32(1), table, scratch)
-        for i in range(c):
-            out[start + i] = scratch[i]
+        stop = min(count, start + scratch.size)
+        _widen(blocks[0, start:stop], kind, table, out[start:stop])
         for r in range(1, rows):
-            _to_f32(empty32, blocks[r], kind, start, c, np.float32(1), table, scratch)
-            for i in range(c):
-                out[start + i] = out[start + i] + scratch[i]
+            widened = scratch[:stop - start]
+            _widen(blocks[r, start:stop], kind, table, widened)
+            _accumulate(out[start:stop], widened)
+
+
+@njit(cache=True, error_model="numpy", nogil=True, inline="never")
+def _accumulate(total, values):
+    for i in range(total.size):
+        total[i] = total[i] + values[i]
 
 
 def _encoding(array) -> int:
@@ -167,8 +166,7 @@ class NumbaAdam:
 
     def sum_blocks(self, blocks, out) -> None:
         """``out`` (fp32) = the rows of ``blocks`` (bf16 or fp16) summed in row order."""
-        _sum_blocks(blocks.view(np.uint16), _encoding(blocks), _FP16_TABLE, self._scratch,
-                    _NO_F32, out)
+        _sum_blocks(blocks.view(np.uint16), _encoding(blocks), _FP16_TABLE, self._scratch, out)
 
 
 def _split(array):

@@ -151,14 +151,19 @@ class ZeroAdam:
         with the same names before each ``step()``; do not write those gradients again before
         ``step()`` (MPI may be reading them).
         """
+        names = [names] if isinstance(names, str) else list(names)
+        for name in names:  # a usage error: raised before any collective starts
+            if name not in self._tensor_buckets:
+                raise KeyError(f"grads_ready({name!r}): no parameter of that name")
+            if name in self._ready:
+                raise ValueError(f"grads_ready({name!r}) again before step(): its reduction may "
+                                 "have started, so later gradients would be lost; accumulate "
+                                 "first, then call grads_ready once per step")
         with self.comm.abort_on_error("in grads_ready()"):
-            for name in [names] if isinstance(names, str) else names:
-                if name not in self._tensor_buckets:
-                    raise KeyError(f"grads_ready({name!r}): no parameter of that name")
-                if name not in self._ready:
-                    self._ready.add(name)
-                    for index in self._tensor_buckets[name]:
-                        self._waiting[index] -= 1
+            for name in names:
+                self._ready.add(name)
+                for index in self._tensor_buckets[name]:
+                    self._waiting[index] -= 1
             while self._next_start >= 0 and self._waiting[self._next_start] <= 0:
                 self._start_reduction(self._next_start)
             for request, _ in self._started.values():
@@ -365,8 +370,8 @@ class ZeroAdam:
         since the last step, and a 20-bit digest of all options, to compare across ranks."""
         problem = None
         for index, group in enumerate(self.param_groups):
-            try:
-                check_hyperparameters(**_options(group, dict))
+            try:  # valid options are stored back as plain floats (NumPy scalars are accepted)
+                group.update(check_hyperparameters(**_options(group, dict)))
             except Exception as exc:  # noqa: BLE001 - reported on every rank by step()
                 problem = problem or f"param_groups[{index}]: {exc}"
         text = repr([_options(g) for g in self.param_groups]).encode()

@@ -58,6 +58,20 @@ def normalize_groups(params, defaults: dict) -> tuple[list[dict], dict]:
     return groups, arrays
 
 
+def group_record(group: dict) -> dict:
+    """A param group as plain JSON values: its names and its (checked) Adam options."""
+    options = check_hyperparameters(**{key: group[key] for key in GROUP_OPTIONS})
+    return {"names": list(group["names"]), **options, "betas": list(options["betas"])}
+
+
+def restore_options(groups: list[dict], records: list[dict]) -> list[dict]:
+    """The checked options of saved ``records`` for ``groups`` (same names), to apply later."""
+    if [list(g["names"]) for g in groups] != [list(r["names"]) for r in records]:
+        raise ValueError(f"the saved param groups ({[len(r['names']) for r in records]} tensors "
+                         "per group) differ from the optimizer's: build it with the same groups")
+    return [check_hyperparameters(**{key: r[key] for key in GROUP_OPTIONS}) for r in records]
+
+
 def decay_groups(params: Mapping, weight_decay: float = 1e-2, no_decay=None) -> list[dict]:
     """Two param groups: weight decay for matrices, none for biases and norm scales.
 

@@ -34,7 +34,9 @@ def main():
             plain.step()
             # "Backward": gradients arrive last layer first, in a rank-dependent order.
             order = list(reversed(SHAPES))
-            np.random.default_rng([step, rank, 1]).shuffle(order[:3])
+            head = order[:3]
+            np.random.default_rng([step, rank, 1]).shuffle(head)
+            order[:3] = head
             for k in order:
                 overlapped.grads[k][...] = grads[k]
                 overlapped.grads_ready([k])
@@ -55,6 +57,15 @@ def main():
         overlapped.zero_grad()
         assert not overlapped._started and not overlapped._reduced
         assert all(not np.any(g) for g in overlapped.grads.values())
+        for bad, error in (("nope", KeyError), ("layer7", ValueError)):
+            try:
+                overlapped.grads_ready(["layer7"] if bad == "layer7" else [bad])
+                overlapped.grads_ready([bad])
+            except error:
+                pass
+            else:
+                raise AssertionError(f"grads_ready({bad!r}) did not raise {error.__name__}")
+        overlapped.zero_grad()
     shared_communicator()
     if rank == 0:
         print(f"OK overlap on {size} ranks")
