@@ -82,7 +82,7 @@ def save(opt, path, keep: int | None = None) -> Path:
     return root / comm.comm.bcast(final)
 
 
-def _row_views(opt, lo: int, hi: int, state: int) -> list:
+def row_views(opt, lo: int, hi: int, state: int) -> list:
     """This rank's state over flat ``[lo, hi)`` (which starts at ``state`` in its shard
     arrays), one view per row of ``ROWS`` that this optimizer keeps."""
     s = slice(state, state + hi - lo)
@@ -94,7 +94,7 @@ def _row_views(opt, lo: int, hi: int, state: int) -> list:
 def _write_shard(opt, file: Path) -> dict:
     ranges = opt.layout.owned(opt.rank)
     count = sum(hi - lo for lo, hi, _ in ranges)
-    rows = len(_row_views(opt, 0, 0, 0))
+    rows = len(row_views(opt, 0, 0, 0))
     header = io.BytesIO()
     np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False,
                                                   "shape": (rows, count)})
@@ -106,7 +106,7 @@ def _write_shard(opt, file: Path) -> dict:
             for lo, hi, state in ranges:
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
-                    view = _row_views(opt, start, stop, state + start - lo)[row]
+                    view = row_views(opt, start, stop, state + start - lo)[row]
                     data = np.ascontiguousarray(to_numpy(view), dtype="<f4").data
                     f.write(data)
                     digest.update(data)
@@ -189,7 +189,7 @@ def load(opt, path) -> Path:
         ckpt = resolve(Path(path))
         manifest = read_manifest(ckpt)
         check_compatible(opt, manifest, ckpt)
-        counters = _counters(manifest, opt.param_groups, ckpt / MANIFEST)
+        counters = read_counters(manifest, opt.param_groups, ckpt / MANIFEST)
         if manifest.get("fingerprint") != fingerprint(opt):
             raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the "
                                   "optimizer's")
@@ -216,16 +216,15 @@ def load(opt, path) -> Path:
             for start in range(lo, hi, CHUNK):
                 stop = min(hi, start + CHUNK)
                 columns = slice(column + start - lo, column + stop - lo)
-                for row, view in enumerate(_row_views(opt, start, stop, state + start - lo)):
-                    view[...] = opt._xp.asarray(maps[file][row, columns]).astype(view.dtype)
+                for row, view in enumerate(row_views(opt, start, stop, state + start - lo)):
+                    view[...] = opt._xp.asarray(maps[file][row, columns])  # exact casts
         del maps
-        for bucket in opt.layout.buckets:
-            opt.comm.allgather_inplace(opt._params[bucket.offset:bucket.offset + bucket.size])
+        opt._gather_params()
         apply_counters(opt, counters)
     return ckpt
 
 
-def _counters(manifest: dict, groups: list, where) -> tuple:
+def read_counters(manifest: dict, groups: list, where) -> tuple:
     """``(step, loss scaler, group options)`` of a checkpoint, checked before anything
     changes."""
     step = manifest.get("step")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .checkpoint import CHUNK, CheckpointError, _counters, _row_views, apply_counters
+from .checkpoint import CHUNK, CheckpointError, apply_counters, read_counters, row_views
 from .params import group_record
 
 FORMAT = "zero1_mpi.consolidated"
@@ -51,7 +51,7 @@ def save_consolidated(opt, path) -> Path:
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
                     if comm.rank == owner:
-                        view = _row_views(opt, start, stop, state + start - lo)[row]
+                        view = row_views(opt, start, stop, state + start - lo)[row]
                         data = np.ascontiguousarray(to_numpy(view), dtype="<f4")
                         if owner == 0:
                             out.write(data.data)
@@ -80,7 +80,7 @@ def load_consolidated(opt, path) -> Path:
     error = entries = data_start = counters = None
     try:
         entries, data_start, metadata = _read_header(opt, file)
-        counters = _counters({"step": _int(metadata.get("step")),
+        counters = read_counters({"step": _int(metadata.get("step")),
                               "loss_scaler": json.loads(metadata["loss_scaler"]),
                               "param_groups": json.loads(metadata["param_groups"])},
                              opt.param_groups, file)
@@ -96,7 +96,7 @@ def load_consolidated(opt, path) -> Path:
             for tensor, a, b in opt.layout.pieces(lo, hi):
                 for start in range(a, b, CHUNK):
                     stop = min(b, start + CHUNK)
-                    views = _row_views(opt, start, stop, state + start - lo)
+                    views = row_views(opt, start, stop, state + start - lo)
                     for row, kind in enumerate(KINDS):
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
@@ -106,8 +106,7 @@ def load_consolidated(opt, path) -> Path:
                         views[row][...] = opt._xp.asarray(chunk)
                     if opt._mixed:  # the 16-bit parameters are the rounded masters
                         views[3][...] = views[0].astype(opt.param_dtype)
-        for bucket in opt.layout.buckets:
-            comm.allgather_inplace(opt._params[bucket.offset:bucket.offset + bucket.size])
+        opt._gather_params()
         apply_counters(opt, counters)
     return file
 
@@ -118,12 +117,9 @@ def _int(text):
 
 def _pieces_in_flat_order(layout):
     """``(owner, lo, hi, state)``: the real elements of the flat range, in order, by owner."""
-    for bucket in layout.buckets:
-        for owner in range(layout.world_size):
-            lo, hi = bucket.shard(owner)
-            hi = min(hi, layout.numel)
-            if lo < hi:
-                yield owner, lo, hi, bucket.state.start
+    pieces = [(lo, owner, hi, state) for owner in range(layout.world_size)
+              for lo, hi, state in layout.owned(owner)]
+    return [(owner, lo, hi, state) for lo, owner, hi, state in sorted(pieces)]
 
 
 def _header(opt) -> bytes:

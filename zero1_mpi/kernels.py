@@ -65,6 +65,13 @@ def sum_of_squares(x, scratch) -> float:
     return total
 
 
+def add_blocks(blocks, out, xp=np) -> None:
+    """``out`` (fp32) = the rows of ``blocks`` summed in fp32, in row order."""
+    out[...] = blocks[0]
+    for block in blocks[1:]:
+        xp.add(out, block, out=out, dtype=np.float32)
+
+
 class NumpyAdam:
     """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
 
@@ -80,12 +87,7 @@ class NumpyAdam:
     def sum_of_squares(self, x) -> float:
         return sum_of_squares(x, self._g)
 
-    @staticmethod
-    def sum_blocks(blocks, out) -> None:
-        """``out`` (fp32) = the rows of ``blocks`` summed in fp32, in row order."""
-        out[...] = blocks[0]
-        for block in blocks[1:]:
-            np.add(out, block, out=out, dtype=np.float32)
+    sum_blocks = staticmethod(add_blocks)
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         for start in range(0, master.size, self.chunk):
@@ -171,11 +173,7 @@ class CupyAdam:
 
     @staticmethod
     def sum_blocks(blocks, out) -> None:
-        """``out`` (fp32) = the rows of ``blocks`` summed in fp32, in row order."""
-        cupy = backend.xp_for("cupy")
-        out[...] = blocks[0]
-        for block in blocks[1:]:
-            cupy.add(out, block, out=out, dtype=np.float32)
+        add_blocks(blocks, out, backend.xp_for("cupy"))
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         scalars = tuple(np.float32(x) for x in (

@@ -18,8 +18,8 @@ import hashlib
 import math
 import time
 import weakref
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,8 +28,14 @@ from .comm import CollectiveError, Communicator
 from .kernels import AdamScalars, make_adam, resolve_cpu_kernel
 from .layout import DEFAULT_BUCKET_ELEMENTS, build_layout
 from .memory import MemoryReport
-from .params import (GROUP_OPTIONS, check_arrays, check_hyperparameters, check_max_grad_norm,
-                     check_reduce_dtype, normalize_groups)
+from .params import (
+    GROUP_OPTIONS,
+    check_arrays,
+    check_hyperparameters,
+    check_max_grad_norm,
+    check_reduce_dtype,
+    normalize_groups,
+)
 from .scaler import LossScaler
 
 FP32 = np.dtype(np.float32)
@@ -342,6 +348,11 @@ class ZeroAdam:
         # Persistent requests hold these buffers: free them when the optimizer goes.
         weakref.finalize(self, self.comm.close, [self._params, self._grads, self._received])
         self._adam = make_adam(self.kernel, max(b.shard_size for b in layout.buckets))
+
+    def _gather_params(self) -> None:
+        """All-gather every bucket of the parameters, blocking (after a load)."""
+        for bucket in self.layout.buckets:
+            self.comm.allgather_inplace(self._params[bucket.offset:bucket.offset + bucket.size])
 
     def _views(self, flat) -> dict:
         return {t.name: flat[t.offset:t.offset + t.numel].reshape(t.shape)

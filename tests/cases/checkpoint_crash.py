@@ -56,14 +56,14 @@ def crash(directory, moment):
     train(opt, range(3, 5))
     if moment == "mid-shard" and rank == size - 1:
         calls = []
-        original = checkpoint._row_views
+        original = checkpoint.row_views
 
         def dying_row_views(*args):
             calls.append(1)
             if len(calls) == 3:  # some rows are on disk, the rest never will be
                 die()
             return original(*args)
-        checkpoint._row_views = dying_row_views
+        checkpoint.row_views = dying_row_views
     elif moment == "before-rename" and rank == 0:
         checkpoint.os.rename = lambda *args: die()
     elif moment == "before-latest" and rank == 0:
