@@ -131,7 +131,7 @@ _CUDA_MATH = r"""
     float v = beta2 * exp_avg_sq + one_minus_beta2 * (g * g);  // second moment
     p *= decay;                                          // AdamW: 1 - lr * wd (1 for Adam)
     float denom = sqrtf(v) / bc2_sqrt + eps;             // bias-corrected sqrt(v), eps outside
-    p -= step_size * m / denom;                          // step_size = lr / (1 - beta1^t)
+    p -= (m / denom) * step_size;                        // step_size = lr / (1 - beta1^t)
     exp_avg = m;
     exp_avg_sq = v;
 """
