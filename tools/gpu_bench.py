@@ -1,14 +1,18 @@
-"""python tools/gpu_bench.py [--elements 64M]   (one GPU; run by tools/gpu_check.sh)
+"""python tools/gpu_bench.py [--elements 256M] [--markdown F] [--json F]   (one GPU)
 
-On the GPU, in one run: the effective bandwidth of zero1_mpi's fused CuPy Adam kernel (fp32 and
-bf16 parameters) against the device's copy bandwidth (target: >= 85%), beside
-``torch.optim.AdamW(fused=True)`` on CUDA when torch has CUDA; and the time of moving one
-bucket through the communicator: staged through pinned host memory, directly (only if MPI is
-CUDA-aware) and through NCCL. Prints a markdown table.
+On the GPU, in one run: the effective bandwidth of zero1_mpi's fused CuPy Adam kernel (fp32
+parameters; bf16 parameters with fp32 masters, bf16 and fp32 gradients) against the device's
+measured in-place read-write bandwidth (the best ``x *= c`` pass over fp32, every byte read
+and written once; target >= 90%), beside ``torch.optim.AdamW(fused=True)`` on the same fp32
+problem when torch has CUDA (target: zero1's time <= torch's); and the time of moving one
+4M-element bucket through the communicator: staged through pinned host memory, directly (only
+if MPI is CUDA-aware) and through NCCL. Prints markdown tables; ``--json`` writes the numbers.
 """
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 try:
@@ -26,8 +30,8 @@ from zero1_mpi.kernels import AdamScalars, CupyAdam
 from zero1_mpi.memory import parse_param_count
 
 
-def seconds(fn, repeat=10):
-    """Median device time of ``fn`` (CUDA events), after a warm-up."""
+def seconds(fn, repeat=20):
+    """Median device time of ``fn`` (CUDA events on the current stream), after a warm-up."""
     fn()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
@@ -40,42 +44,84 @@ def seconds(fn, repeat=10):
     return float(np.median(times))
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--elements", default="64M")
-    args = parser.parse_args(argv)
-    n = parse_param_count(args.elements)
-    rows = []
+def warm_up(fn, seconds_=1.0):
+    """Run ``fn`` for about a second first: an idle GPU's clocks take a while to rise."""
+    clock = time.perf_counter
+    start = clock()
+    while clock() - start < seconds_:
+        fn()
+        cupy.cuda.get_current_stream().synchronize()
 
-    src, dst = cupy.ones(n, np.float32), cupy.empty(n, np.float32)
-    copy = 2 * src.nbytes / seconds(lambda: cupy.copyto(dst, src)) / 1e9
-    rows.append(("device copy (read + write)", copy, "100%"))
-    s = AdamScalars.for_step(1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                             decoupled=True)
-    grad, m, v = cupy.full(n, 1e-3, np.float32), cupy.zeros(n, np.float32), \
-        cupy.zeros(n, np.float32)
-    master = cupy.ones(n, np.float32)
-    kernel = CupyAdam()
-    for name, param, nbytes in (("zero1 CuPy Adam, fp32 params", None, 28),
-                                ("zero1 CuPy Adam, bf16 params", cupy.ones(n, BFLOAT16), 30)):
-        t = seconds(lambda: kernel(grad, master, m, v, param, s))
-        rows.append((name, nbytes * n / t / 1e9, f"{nbytes * n / t / 1e9 / copy:.0%}"))
+
+def ceiling_rows(n):
+    """(what, bytes moved, seconds) of plain in-place read-write passes over ``n`` fp32: the
+    best of them is the ceiling a fused update, which reads and writes its arrays in place,
+    is measured against. CuPy's generic ``x *= c`` keeps one load in flight per thread;
+    torch's ``mul_`` is vectorised, and a device-to-device copy is the driver's."""
+    x = cupy.ones(n, np.float32)
+    scale = cupy.ElementwiseKernel("float32 c", "float32 x", "x = x * c", "zero1_bench_scale")
+    in_place = lambda: scale(np.float32(1), x)  # noqa: E731
+    warm_up(in_place)
+    rows = [("in-place x *= c, CuPy ElementwiseKernel", 8 * n, seconds(in_place))]
+    y = cupy.empty_like(x)
+    rows.append(("device-to-device copy (cudaMemcpy)", 8 * n,
+                 seconds(lambda: y.data.copy_from_device(x.data, x.nbytes))))
+    del y
+    torch = _torch_cuda()
+    if torch is not None:
+        t = torch.from_dlpack(x)
+        rows.append(("in-place x *= c, torch mul_", 8 * n, seconds(lambda: t.mul_(1.0))))
+        del t
+    return rows
+
+
+def _torch_cuda():
     try:
         import torch
-        if torch.cuda.is_available():
-            p = torch.nn.Parameter(torch.ones(n, device="cuda"))
-            p.grad = torch.full((n,), 1e-3, device="cuda")
-            opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-            t = seconds(opt.step)
-            rows.append(("torch AdamW(fused=True), fp32", 28 * n / t / 1e9,
-                         f"{28 * n / t / 1e9 / copy:.0%}"))
     except ImportError:
-        pass
+        return None
+    if not torch.cuda.is_available():
+        return None
+    # Timed with CuPy's events on CuPy's current stream: torch's must be that one.
+    assert torch.cuda.current_stream().cuda_stream == cupy.cuda.get_current_stream().ptr
+    return torch
 
-    print(f"{n:,} elements\n\n| what | GB/s | of copy |\n|---|---:|---:|")
-    for name, gbs, share in rows:
-        print(f"| {name} | {gbs:.0f} | {share} |")
 
+def kernel_rows(n):
+    """(what, bytes moved, seconds) for zero1's kernels and torch's fused AdamW."""
+    rows = []
+    s = AdamScalars.for_step(1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                             decoupled=True)
+    kernel = CupyAdam()
+    m, v = cupy.zeros(n, np.float32), cupy.zeros(n, np.float32)
+    master = cupy.ones(n, np.float32)
+    for what, grad_dtype, param in (("fp32 params, fp32 grads", np.float32, None),
+                                    ("bf16 params + fp32 master, bf16 grads", BFLOAT16,
+                                     cupy.ones(n, BFLOAT16)),
+                                    ("bf16 params + fp32 master, fp32 grads", np.float32,
+                                     cupy.ones(n, BFLOAT16))):
+        grad = cupy.full(n, 1e-3, np.float32).astype(grad_dtype)
+        # reads grad, master/param, m, v; writes master/param, m, v (and the 16-bit param)
+        moved = n * (grad.itemsize + 12 + 12 + (0 if param is None else param.itemsize))
+        rows.append((f"zero1 CuPy Adam, {what}", moved,
+                     seconds(lambda: kernel(grad, master, m, v, param, s))))
+        del grad, param
+    del m, v, master
+    torch = _torch_cuda()
+    if torch is not None:
+        p = torch.nn.Parameter(torch.ones(n, device="cuda"))
+        p.grad = torch.full((n,), 1e-3, device="cuda")
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        opt.step()  # allocate the state before timing
+        rows.append(("torch AdamW(fused=True), fp32 params, fp32 grads", 28 * n,
+                     seconds(opt.step)))
+        del p, opt
+        torch.cuda.empty_cache()
+    return rows
+
+
+def comm_rows():
+    """(how, alltoall seconds, allgather seconds) for one 4M-element fp32 bucket on 1 rank."""
     bucket = cupy.ones(1 << 22, np.float32)
     recv = cupy.empty_like(bucket)
     comms = [("staged through pinned host memory", Communicator(MPI.COMM_SELF,
@@ -85,13 +131,48 @@ def main(argv=None):
     try:
         from zero1_mpi.nccl import NcclCommunicator
         comms.append(("NCCL", NcclCommunicator(MPI.COMM_SELF)))
-    except ImportError as exc:
-        print(f"(no NCCL: {exc})")
-    print("\n| one 4M-element fp32 bucket, 1 rank | alltoall ms | allgather ms |\n|---|---:|---:|")
-    for name, comm in comms:
-        a2a = seconds(lambda: comm.alltoall(bucket, recv))
-        gather = seconds(lambda: comm.allgather_inplace(bucket))
-        print(f"| {name} | {a2a * 1e3:.2f} | {gather * 1e3:.2f} |")
+    except Exception as exc:  # noqa: BLE001 - a missing or broken NCCL is reported, not fatal
+        print(f"(NCCL not measured: {type(exc).__name__}: {exc})")
+    return [(how, seconds(lambda: comm.alltoall(bucket, recv)),
+             seconds(lambda: comm.allgather_inplace(bucket))) for how, comm in comms]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--elements", default="256M")
+    parser.add_argument("--markdown", help="also write the tables to this file")
+    parser.add_argument("--json", help="write the numbers to this file")
+    args = parser.parse_args(argv)
+    n = parse_param_count(args.elements)
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+
+    rows = ceiling_rows(n)
+    ceiling = max(moved / t for what, moved, t in rows if what.startswith("in-place"))
+    rows += kernel_rows(n)
+    torch_row = next((r for r in rows if r[0].startswith("torch AdamW")), None)
+    lines = [f"{device}, {n:,} elements per array; 'of in-place': of the best in-place "
+             f"read-write pass ({ceiling / 1e9:.0f} GB/s)", "",
+             "| what | ms | GB/s | of in-place | time vs torch fused AdamW |",
+             "|---|---:|---:|---:|---:|"]
+    for what, moved, t in rows:
+        vs_torch = f"{t / torch_row[2]:.2f}x" if torch_row and "Adam" in what else ""
+        lines.append(f"| {what} | {t * 1e3:.3f} | {moved / t / 1e9:.0f} | "
+                     f"{moved / t / ceiling:.0%} | {vs_torch} |")
+    comm = comm_rows()
+    lines += ["", "| one 4M-element fp32 bucket, 1 rank | alltoall ms | allgather ms |",
+              "|---|---:|---:|"]
+    lines += [f"| {how} | {a2a * 1e3:.3f} | {gather * 1e3:.3f} |" for how, a2a, gather in comm]
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "device": device, "elements": n,
+            "kernels": [{"what": w, "bytes": b, "seconds": t, "gb_per_s": b / t / 1e9,
+                         "of_in_place": b / t / ceiling} for w, b, t in rows],
+            "bucket_4M_fp32": [{"how": h, "alltoall_s": a, "allgather_s": g}
+                               for h, a, g in comm]}, indent=1))
 
 
 if __name__ == "__main__":

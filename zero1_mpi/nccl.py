@@ -22,6 +22,9 @@ def _nccl():
     except ImportError as exc:
         raise ImportError("NcclCommunicator needs CuPy built with NCCL: pip install "
                           "'zero1-mpi[cuda12]' (or [cuda13]) and nvidia-nccl-cu12") from exc
+    if not getattr(nccl, "available", True):  # CuPy imports it even where libnccl is missing
+        raise ImportError("NcclCommunicator needs the NCCL library, which CuPy did not find: "
+                          "pip install nvidia-nccl-cu12 (or -cu13, matching CuPy's CUDA)")
     return nccl
 
 

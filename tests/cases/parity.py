@@ -39,6 +39,17 @@ def grads_of(rank, step, shapes, dtype):
             for k, s in shapes.items()}
 
 
+def is_view_of(view, flat) -> bool:
+    """``view``'s bytes lie inside ``flat``'s, by address: one test for NumPy and CuPy arrays
+    (CuPy's exact ``shares_memory`` said False for the 0-d views here on CuPy 14.2)."""
+    if view.size == 0:
+        return True
+    face = "__cuda_array_interface__" if BACKEND == "cupy" else "__array_interface__"
+    start = getattr(flat, face)["data"][0]
+    at = getattr(view, face)["data"][0]
+    return start <= at and at + view.nbytes <= start + flat.nbytes
+
+
 def check(comm, layout_name, dtype_name, cls, weight_decay):
     shapes, options = LAYOUTS[layout_name]
     dtype = resolve_dtype(dtype_name)
@@ -57,8 +68,8 @@ def check(comm, layout_name, dtype_name, cls, weight_decay):
     ref = ReferenceAdam(rank0_init, weight_decay=weight_decay, decoupled=cls is ZeroAdamW,
                         **hyper)
     for name in shapes:
-        assert xp.shares_memory(opt.params[name], opt._params) or opt.params[name].size == 0
-        assert xp.shares_memory(opt.grads[name], opt._grads) or opt.grads[name].size == 0
+        assert is_view_of(opt.params[name], opt._params), name
+        assert is_view_of(opt.grads[name], opt._grads), name
         assert opt.params[name].shape == shapes[name] and opt.params[name].dtype == dtype
 
     for step in range(1, STEPS + 1):
