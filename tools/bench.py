@@ -411,7 +411,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="write all numbers to this file")
     parser.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
-    parser.add_argument("--mpiexec", default="mpiexec")
+    parser.add_argument("--mpiexec", help="MPI launcher, flags allowed "
+                        "(default: $ZERO1_MPIEXEC, else mpiexec)")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

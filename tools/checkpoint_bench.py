@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16",
                         choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
-    parser.add_argument("--mpiexec", default="mpiexec")
+    parser.add_argument("--mpiexec", help="MPI launcher, flags allowed "
+                        "(default: $ZERO1_MPIEXEC, else mpiexec)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -1,7 +1,9 @@
 """Run a tool's worker under ``mpiexec -n N`` and collect the JSON line its rank 0 prints.
 
 Shared by the tools that measure across world sizes (``memory_table.py --measure``,
-``checkpoint_bench.py``). The job runs in its own process group, killed whole on timeout.
+``checkpoint_bench.py``, ``bench.py --ranks``). The command line comes from
+``zero1_mpi.launcher`` (``ZERO1_MPIEXEC``, or ``--mpiexec``, and what each MPI needs). The job
+runs in its own process group, killed whole on timeout.
 """
 
 from __future__ import annotations
@@ -9,23 +11,25 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 
+from zero1_mpi.launcher import MPIEXEC_ENV, launch_command
 
-def run_ranks(n: int, script: str, args: list[str], mpiexec: str = "mpiexec",
+
+def run_ranks(n: int, script: str, args: list[str], mpiexec: str | None = None,
               timeout: float = 300.0) -> dict:
     """The last JSON object that ``mpiexec -n n python -m mpi4py script *args`` printed,
-    after checking that it ran on ``n`` ranks (its ``world_size`` field)."""
-    launcher = shlex.split(mpiexec)
-    if not launcher or shutil.which(launcher[0]) is None:
-        raise RuntimeError(f"MPI launcher {mpiexec!r} not found on PATH: install one "
-                           f"(pip install mpich) or pass --mpiexec /path/to/mpiexec")
-    cmd = [*launcher, "-n", str(n), sys.executable, "-m", "mpi4py", script, *args]
+    after checking that it ran on ``n`` ranks (its ``world_size`` field). ``mpiexec``: a
+    launcher command line (default: ``ZERO1_MPIEXEC``, else ``mpiexec`` on PATH)."""
+    environ = dict(os.environ)
+    if mpiexec:
+        environ[MPIEXEC_ENV] = mpiexec
+    cmd, env = launch_command(n, [sys.executable, "-m", "mpi4py", script, *args],
+                              environ=environ)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -71,7 +71,7 @@ def worker(psi: int, dtype: str) -> None:
         print(json.dumps({"world_size": comm.size, "reports": reports}), flush=True)
 
 
-def measure(psi: int, gpus, dtype: str = "float16", mpiexec: str = "mpiexec",
+def measure(psi: int, gpus, dtype: str = "float16", mpiexec: str | None = None,
             timeout: float = 300.0) -> dict[int, list[MemoryReport]]:
     """``{N: [report of rank 0, ..., rank N-1]}`` from one ``mpiexec -n N`` run per N."""
     results = {}
@@ -141,8 +141,9 @@ def main(argv=None) -> int:
                         help="run zero1_mpi.ZeroAdam under mpiexec and measure it")
     parser.add_argument("--dtype", choices=DTYPES, default="float16",
                         help="parameter dtype for --measure (default float16)")
-    parser.add_argument("--mpiexec", default="mpiexec",
-                        help="MPI launcher for --measure, flags allowed (default mpiexec)")
+    parser.add_argument("--mpiexec", default=None,
+                        help="MPI launcher for --measure, flags allowed (default: "
+                        "$ZERO1_MPIEXEC, else mpiexec)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed per mpiexec run (default 300)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

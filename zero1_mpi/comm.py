@@ -7,6 +7,12 @@ pinned host buffers that are allocated once and reused. Whether MPI is CUDA-awar
 in this order: the ``cuda_aware`` argument, the ``ZERO1_MPI_CUDA_AWARE`` environment variable,
 ``MPIX_Query_cuda_support`` from the loaded MPI library, and finally "no" (staging).
 
+Started collectives (``start_*``) are MPI-4 persistent ones (``*_init``, then ``Start`` each
+step) only on MPI libraries where ``tools/mpi_probe.py`` proved them right in this project's CI
+(``PERSISTENT_PROVEN``), and nonblocking ones (``I*``) everywhere else; the
+``ZERO1_MPI_PERSISTENT`` environment variable or the ``persistent`` argument overrides that.
+Intel MPI 2021's persistent in-place Allgather returns stale blocks, so it is not on the list.
+
 ``agree`` turns an error that some ranks detected into the same exception on every rank, so
 checks made before a collective never leave other ranks waiting. ``abort_on_error`` guards work
 between collectives that one rank alone may fail: it aborts the job rather than leave the other
@@ -19,6 +25,7 @@ import builtins
 import ctypes
 import importlib
 import os
+import re
 import sys
 import traceback
 from contextlib import contextmanager
@@ -29,6 +36,10 @@ from mpi4py import MPI
 from . import backend
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
+PERSISTENT_ENV = "ZERO1_MPI_PERSISTENT"
+#: (library, lowest version) whose persistent collectives tools/mpi_probe.py found right
+#: against blocking ones, with several requests in flight, on 2 and 4 ranks, in CI.
+PERSISTENT_PROVEN = (("MPICH", (5, 0)), ("Open MPI", (5, 0)))
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -80,13 +91,57 @@ def resolve_cuda_aware(explicit: bool | None = None, environ=None,
     return False, "default (no query available)"
 
 
+_LIBRARIES = (  # (name, pattern of MPI_Get_library_version whose group 1 is the version)
+    ("Open MPI", r"^Open MPI v(\d+(?:\.\d+)*)"),
+    ("MPICH", r"^MPICH Version:\s*(\d+(?:\.\d+)*)"),
+    ("Intel MPI", r"Intel\(R\) MPI Library (\d+(?:\.\d+)*)"),
+    ("Cray MPICH", r"CRAY MPICH version (\d+(?:\.\d+)*)"),
+    ("MVAPICH", r"^MVAPICH2? Version\s*:\s*(\d+(?:\.\d+)*)"),
+)
+
+
+def mpi_library(version_text: str | None = None) -> tuple[str, tuple[int, ...]]:
+    """``(name, version)`` of the MPI library, from ``MPI.Get_library_version()`` (or the
+    given text): e.g. ``("MPICH", (5, 0, 2))``; ``("unknown", ())`` where it is not recognised."""
+    text = (MPI.Get_library_version() if version_text is None else version_text).strip()
+    for name, pattern in _LIBRARIES:
+        found = re.search(pattern, text)
+        if found:
+            return name, tuple(int(part) for part in found.group(1).split("."))
+    return "unknown", ()
+
+
+def resolve_persistent(explicit: bool | None = None, environ=None,
+                       library: tuple[str, tuple[int, ...]] | None = None) -> tuple[bool, str]:
+    """``(use persistent collectives, why)``: explicit setting, environment, proven library."""
+    if explicit is not None:
+        if not isinstance(explicit, bool):
+            raise TypeError(f"persistent={explicit!r} must be True, False or None (auto)")
+        return explicit, "argument"
+    value = (os.environ if environ is None else environ).get(PERSISTENT_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True, f"{PERSISTENT_ENV}={value}"
+    if value in _FALSE:
+        return False, f"{PERSISTENT_ENV}={value}"
+    if value:
+        raise ValueError(f"{PERSISTENT_ENV}={value!r} is not understood: set it to 1 (use MPI-4 "
+                         "persistent collectives) or 0 (nonblocking ones), or unset it")
+    name, version = mpi_library() if library is None else library
+    described = f"{name} {'.'.join(map(str, version))}".strip()
+    for proven, lowest in PERSISTENT_PROVEN:
+        if name == proven and version >= lowest:
+            return True, f"{described} (proven)"
+    return False, f"{described} (not proven: nonblocking)"
+
+
 class Communicator:
     """Collectives over an mpi4py intracommunicator, for host and device buffers.
 
     Every method must be called on all ranks of the communicator.
     """
 
-    def __init__(self, comm=None, *, cuda_aware: bool | None = None, stage_host: bool = False):
+    def __init__(self, comm=None, *, cuda_aware: bool | None = None,
+                 persistent: bool | None = None, stage_host: bool = False):
         comm = MPI.COMM_WORLD if comm is None else comm
         if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
             raise ValueError("comm=MPI.COMM_NULL cannot communicate: pass a communicator this "
@@ -101,14 +156,21 @@ class Communicator:
         self.stage_host = stage_host
         self._staging: dict[str, np.ndarray] = {}
         self._persistent: dict[tuple, MPI.Prequest] = {}
-        self._persistent_ok = True  # until the MPI library says it has no MPI-4 collectives
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
+        #: Whether started collectives are MPI-4 persistent ones (else nonblocking), and why.
+        self.persistent, self.persistent_source = False, "unresolved"
         error = None
         try:
             self.cuda_aware, self.cuda_aware_source = resolve_cuda_aware(cuda_aware)
+            self.persistent, self.persistent_source = resolve_persistent(persistent)
         except (TypeError, ValueError) as exc:  # a setting of one rank's environment
             error = exc
         self.agree(error)
+        # A persistent collective matches only persistent ones, and staging turns a started
+        # collective into a blocking one: both choices must be the same on every rank.
+        self.check_same({"persistent": self.persistent, "cuda_aware": self.cuda_aware},
+                        "the communicator's setting", f"set {PERSISTENT_ENV} and "
+                        f"{CUDA_AWARE_ENV} alike on every rank (or unset them)")
 
     # -- agreement on small Python values ------------------------------------------------------
 
@@ -200,7 +262,7 @@ class Communicator:
         with self._host_view(buf, "allgather") as host:
             self.comm.Allgather(MPI.IN_PLACE, [_bytes(host), MPI.BYTE])
 
-    # -- started collectives: persistent (MPI-4) where possible, else nonblocking -------------
+    # -- started collectives: persistent (MPI-4) where proven, else nonblocking ---------------
 
     def start_reduce_scatter(self, buf) -> Request:
         """Start ``reduce_scatter_sum(buf)``; the returned request's ``wait()`` completes it."""
@@ -236,11 +298,12 @@ class Communicator:
     def _start(self, key, make_persistent, make_nonblocking, buf) -> Request:
         backend.synchronize(buf)  # MPI may read device memory as soon as it starts
         request = self._persistent.get(key)
-        if request is None and self._persistent_ok:
+        if request is None and self.persistent:
             try:
                 request = self._persistent[key] = make_persistent()
-            except (NotImplementedError, MPI.Exception):
-                self._persistent_ok = False  # an MPI before 4.0: use nonblocking collectives
+            except (NotImplementedError, MPI.Exception):  # an MPI before 4.0
+                self.persistent = False
+                self.persistent_source += "; no MPI-4 persistent collectives: nonblocking"
         if request is None:
             return Request(make_nonblocking())
         request.Start()

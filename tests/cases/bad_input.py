@@ -154,8 +154,28 @@ def main():
            lambda: ZeroAdam(good(), cuda_aware=on_last("yes", None)), TypeError,
            ["cuda_aware='yes'"])
 
+    # Persistent collectives: a misspelt setting, and ranks that would choose differently
+    # (a persistent collective matches only persistent ones: it would hang or go wrong).
+    def with_persistent_setting(value):
+        def build():
+            os.environ["ZERO1_MPI_PERSISTENT"] = value
+            try:
+                ZeroAdam(good())
+            finally:
+                os.environ.pop("ZERO1_MPI_PERSISTENT", None)
+        return build
+
+    expect("bad ZERO1_MPI_PERSISTENT on one rank", with_persistent_setting(on_last("sure", "1")),
+           ValueError, ["ZERO1_MPI_PERSISTENT='sure'", f"rank {last}"])
+    cases = len(CASES) + 5
+    if size > 1:
+        expect("ZERO1_MPI_PERSISTENT differs between ranks",
+               with_persistent_setting(on_last("0", "1")), CollectiveError,
+               ["persistent", "ZERO1_MPI_PERSISTENT", f"rank {last}"])
+        cases += 1
+
     if rank == 0:
-        print(f"OK bad input: {len(CASES) + 4} cases on {size} ranks")
+        print(f"OK bad input: {cases} cases on {size} ranks")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""What depends on the MPI library at hand: the started collectives it is given, the network
+path (shared memory off), a rank killed mid-step, and the launcher. CI runs this file, like the
+rest of the suite, under the MPICH, Open MPI and Intel MPI wheels."""
+
+import time
+
+import pytest
+
+from mpirun import mpi_flavor, run_mpi
+from zero1_mpi.comm import PERSISTENT_PROVEN, mpi_library, resolve_persistent
+from zero1_mpi.launcher import LauncherError, launch_command
+
+VERSIONS = {
+    "MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25": ("MPICH", (5, 0, 2)),
+    "Open MPI v5.0.11, package: Open MPI user@localhost Distribution": ("Open MPI", (5, 0, 11)),
+    "Intel(R) MPI Library 2021.18.1 for Linux* OS": ("Intel MPI", (2021, 18, 1)),
+    "MPI VERSION    : CRAY MPICH version 8.1.25.17 (ANL base 3.4a2)": ("Cray MPICH",
+                                                                        (8, 1, 25, 17)),
+    "MVAPICH2 Version      :\t2.3.7": ("MVAPICH", (2, 3, 7)),
+    "Some MPI 1.0": ("unknown", ()),
+}
+
+
+@pytest.mark.parametrize("text", VERSIONS)
+def test_library_is_recognised_from_its_version_string(text):
+    assert mpi_library(text) == VERSIONS[text]
+
+
+@pytest.mark.parametrize("library, expected", [
+    (("MPICH", (5, 0, 2)), True), (("Open MPI", (5, 0, 11)), True),
+    (("Intel MPI", (2021, 18, 1)), False),    # persistent in-place Allgather: stale blocks
+    (("MPICH", (4, 2, 0)), False),            # not proven
+    (("Cray MPICH", (8, 1, 25)), False), (("unknown", ()), False)])
+def test_persistent_collectives_only_where_proven(library, expected):
+    use, why = resolve_persistent(environ={}, library=library)
+    assert use is expected and library[0] in why
+    assert any(name == library[0] and library[1] >= lowest
+               for name, lowest in PERSISTENT_PROVEN) is expected
+
+
+def test_persistent_setting_overrides_the_library():
+    assert resolve_persistent(environ={"ZERO1_MPI_PERSISTENT": "1"},
+                              library=("Intel MPI", (2021, 18))) == (True,
+                                                                     "ZERO1_MPI_PERSISTENT=1")
+    assert resolve_persistent(environ={"ZERO1_MPI_PERSISTENT": "off"},
+                              library=("MPICH", (5, 0))) == (False, "ZERO1_MPI_PERSISTENT=off")
+    assert resolve_persistent(True, environ={"ZERO1_MPI_PERSISTENT": "0"}) == (True, "argument")
+    with pytest.raises(ValueError, match="ZERO1_MPI_PERSISTENT='2'"):
+        resolve_persistent(environ={"ZERO1_MPI_PERSISTENT": "2"})
+    with pytest.raises(TypeError, match="persistent='yes'"):
+        resolve_persistent("yes")
+
+
+def test_launcher_errors_name_the_setting():
+    with pytest.raises(LauncherError, match="ZERO1_MPIEXEC='no-such-mpiexec'"):
+        launch_command(2, ["true"], environ={"ZERO1_MPIEXEC": "no-such-mpiexec", "PATH": ""})
+    with pytest.raises(LauncherError, match="mpiexec on PATH"):
+        launch_command(2, ["true"], environ={"PATH": ""})
+    with pytest.raises(ValueError, match="n=0"):
+        launch_command(0, ["true"])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_started_collectives_compute_the_right_thing(n):
+    """tools/mpi_probe.py on what zero1_mpi uses with this MPI (persistent where proven)."""
+    result = run_mpi(n, "tools/mpi_probe.py", "--mode", "default", "--iterations", "6",
+                     timeout=240, check=False)
+    assert result.returncode == 0 and "mpi_probe: all right" in result.stdout, result
+    if mpi_flavor() in ("MPICH", "Open MPI", "Intel MPI"):  # the ranks loaded the launcher's MPI
+        assert result.stdout.startswith(mpi_flavor()), result.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_network_mode_joins_every_rank_pair_by_tcp(n):
+    out = run_mpi(n, "network.py", network=True, timeout=120).stdout
+    pairs = n * (n - 1) // 2
+    assert f"rank pairs joined by TCP: {pairs} of {pairs}" in out, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_parity_over_the_network(n):
+    out = run_mpi(n, "parity.py", network=True, timeout=300).stdout
+    assert f"OK parity: 30 cases x 20 steps on {n} ranks (numpy)" in out
+
+
+def test_checkpoints_over_the_network(tmp_path):
+    run_mpi(3, "checkpoint.py", "save", str(tmp_path / "N3"), network=True)
+    out = run_mpi(2, "checkpoint.py", "load", str(tmp_path), network=True, timeout=300).stdout
+    assert "OK checkpoints: 2 loads on 2 ranks" in out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_killed_mid_step_ends_the_job(n):
+    """SIGKILL between the reduce-scatter and the all-gather: the launcher ends the job."""
+    start = time.monotonic()
+    result = run_mpi(n, "kill_mid_step.py", timeout=60, check=False)
+    took = time.monotonic() - start
+    assert f"KILLING rank {n - 1} after the reduce-scatter" in result.stdout, result
+    assert result.returncode != 0 and "UNREACHABLE" not in result.stdout, result
+    assert took < 30, f"the job took {took:.1f} s to end"
+    print(f"{mpi_flavor()}: a killed rank ended the {n}-rank job in {took:.1f} s")
+

