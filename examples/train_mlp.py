@@ -3,13 +3,19 @@
 Data-parallel training of a small MLP (64 -> 256 -> 256 -> 10, tanh) with ZeRO stage 1: every
 rank holds the parameters and gradients, but the fp32 master weights and Adam moments of only
 1/N of them. Forward and backward are written out by hand, so the only library in the loop is
-the optimizer. Each rank draws its own batch every step; labels come from a fixed random
-"teacher" network, so the loss falls from ln(10) = 2.30 (the output layer starts at zero) to
-about 0.6 in 200 steps, for every dtype and number of ranks.
+the optimizer. Each step draws a global batch of ``--batch`` examples and every rank takes its
+own slice of it, so any number of ranks that divides the batch trains the same model (up to
+the order of the sums over ranks); labels come from a fixed random "teacher" network, so the
+loss falls from ln(10) = 2.30 (the output layer starts at zero) to about 0.6 in 200 steps.
 
     mpiexec -n 4 python -m mpi4py examples/train_mlp.py --dtype bfloat16  # or float16
     mpiexec -n 4 python -m mpi4py examples/train_mlp.py --backend cupy    # one GPU per rank
     sbatch examples/slurm.sbatch                                          # Slurm + srun
+
+With ``--checkpoint DIR`` it saves a sharded checkpoint every ``--save-every`` steps and at the
+end, and starts from the newest checkpoint in ``DIR`` when there is one, on any number of ranks:
+kill a run (``--crash-at-step K`` makes the last rank SIGKILL itself at step K, to try it) and
+launch it again, with the same or another ``-n``, and it goes on where the checkpoint was.
 
 ``python -m mpi4py`` aborts the whole job when one rank raises (otherwise MPICH hangs). With
 ``--dtype float16/bfloat16`` the parameters and gradients are 16-bit: the math below runs in
@@ -19,7 +25,9 @@ The last line, ``final: first_loss=... last_loss=...``, is meant to be checked b
 
 import argparse
 import os
+import signal
 import time
+from pathlib import Path
 
 # One BLAS thread per rank unless the user chose otherwise: N ranks each starting a pool of
 # all-core BLAS threads oversubscribe the CPU (100x slower steps on a 2-core machine).
@@ -35,17 +43,25 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
 parser.add_argument("--lr", type=float, default=3e-3)
-parser.add_argument("--batch", type=int, default=64, help="examples per rank per step")
+parser.add_argument("--batch", type=int, default=256,
+                    help="examples per step, over all ranks (each takes batch/N of them)")
 parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--log-every", type=int, default=20)
+parser.add_argument("--checkpoint", help="directory to save checkpoints in and resume from")
+parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+parser.add_argument("--crash-at-step", type=int,
+                    help="the last rank kills itself (SIGKILL) at this step: try resuming")
 args = parser.parse_args()
-if args.steps < 1 or args.log_every < 1 or args.batch < 1:
-    parser.error("--steps, --log-every and --batch must be >= 1")
+if args.steps < 1 or args.log_every < 1 or args.batch < 1 or args.save_every < 1:
+    parser.error("--steps, --log-every, --batch and --save-every must be >= 1")
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
+if args.batch % size:
+    parser.error(f"--batch {args.batch} is not divisible by the {size} ranks: pass a multiple")
+per_rank = args.batch // size
 
 
 def print0(*a, **k):
@@ -110,9 +126,10 @@ teacher = {k: xp.asarray(v) for k, v in init_mlp(np.random.default_rng([args.see
 
 
 def get_batch(step):
-    """This rank's batch for ``step``: different on every rank (data parallelism), reproducible."""
-    rng = np.random.default_rng([args.seed, rank, step])
-    x = xp.asarray(rng.standard_normal((args.batch, D_IN), np.float32))
+    """This rank's slice of the global batch of ``step``: the same examples at any world size."""
+    rng = np.random.default_rng([args.seed, step])
+    x = rng.standard_normal((args.batch, D_IN), np.float32)[rank * per_rank:(rank + 1) * per_rank]
+    x = xp.asarray(x)
     y = (xp.tanh(x @ teacher["w1"]) @ teacher["w2"]).argmax(axis=1)
     return x, y
 
@@ -125,9 +142,21 @@ init = {k: xp.asarray(v) for k, v in init.items()}
 opt = ZeroAdamW(init, comm, lr=args.lr, weight_decay=1e-2, param_dtype=args.dtype,
                 loss_scale="dynamic" if args.dtype == "float16" else None, max_grad_norm=1.0)
 psi = opt.layout.numel
+collectives = "persistent" if opt.comm.persistent else "nonblocking"
 print0(f"train_mlp: world_size={size} psi={psi} dtype={opt.param_dtype.name} "
-       f"backend={opt.backend} mlp={'-'.join(map(str, sizes))} batch={args.batch}x{size} "
-       f"steps={args.steps} lr={args.lr}")
+       f"backend={opt.backend} mlp={'-'.join(map(str, sizes))} batch={args.batch} "
+       f"({per_rank} per rank) steps={args.steps} lr={args.lr} "
+       f"collectives={collectives} ({opt.comm.persistent_source})")
+start = 0
+if args.checkpoint and (Path(args.checkpoint) / "LATEST").exists():
+    loaded = opt.load(args.checkpoint)  # saved at any world size
+    # The data of step k is drawn from k, so the run goes on with the batches it would have had.
+    # (step_count does not count steps that fp16 loss scaling skipped: those batches repeat.)
+    start = opt.step_count
+    print0(f"resumed from {loaded} at step {start}")
+    if start >= args.steps:
+        parser.error(f"the checkpoint in {args.checkpoint} is at step {start}: nothing is left "
+                     f"to train with --steps {args.steps} (raise it)")
 
 
 def sync():
@@ -135,8 +164,11 @@ def sync():
         xp.cuda.get_current_stream().synchronize()
 
 
-losses, skipped, last_logged, t0 = [], 0, -1, time.perf_counter()
-for step in range(args.steps):
+losses, skipped, last_logged, t0 = [], 0, start - 1, time.perf_counter()
+for step in range(start, args.steps):
+    if step == args.crash_at_step and rank == size - 1:
+        print(f"crash: rank {rank} kills itself at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     x, y = get_batch(step)
     params = {k: v.astype(xp.float32, copy=False) for k, v in opt.params.items()}
     loss, grads = forward_backward(params, x, y)
@@ -147,7 +179,9 @@ for step in range(args.steps):
     info = opt.step()                            # average grads, sharded AdamW, all-gather
     skipped += info.skipped                      # overflowed fp16 steps (the scale backs off)
     losses.append(comm.allreduce(float(loss)) / size)   # mean over ranks, for the log
-    if (step + 1) % args.log_every == 0 or step == 0 or step == args.steps - 1:
+    if args.checkpoint and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
+        opt.save(args.checkpoint, keep=2)
+    if (step + 1) % args.log_every == 0 or step == start or step == args.steps - 1:
         sync()
         t1 = time.perf_counter()
         ms = (t1 - t0) * 1e3 / (step - last_logged)
@@ -162,4 +196,4 @@ print0(f"memory: {most} bytes/rank held (max over ranks); formula "
 tail = losses[-min(10, len(losses)):]
 print0(f"loss {losses[0]:.2f} -> {sum(tail) / len(tail):.2f} (mean of the last {len(tail)} steps)")
 print0(f"loss scale {opt.loss_scale:g}, {skipped} overflowed step(s) skipped")
-print0(f"final: first_loss={losses[0]:.4f} last_loss={sum(tail) / len(tail):.4f}")
+print0(f"final: first_loss={losses[0]:.6f} last_loss={sum(tail) / len(tail):.6f}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,36 @@ def test_slurm_ntasks_mismatch_fails_on_every_rank():
     assert rc != 0, out
     assert "SLURM_NTASKS=3 but MPI.COMM_WORLD.size=2" in out, out
     assert "srun --mpi=pmix" in out, out
+
+
+def final_losses(out: str) -> tuple[float, float]:
+    found = re.search(r"^final: first_loss=(\S+) last_loss=(\S+)$", out, re.MULTILINE)
+    assert found, out
+    return float(found.group(1)), float(found.group(2))
+
+
+def test_a_killed_run_resumes_on_fewer_ranks_and_reaches_the_same_loss(tmp_path):
+    """4 ranks, checkpoints every 20 steps, the last rank SIGKILLed at step 50: the job ends;
+    2 ranks resume from step 40 and end where an uninterrupted 4-rank run does (the global
+    batch is the same at any world size; only the order of the sums over ranks differs)."""
+    steps, ckpt = ("--steps", "100", "--log-every", "50"), str(tmp_path / "ckpt")
+    rc, out = run_example(4, *steps)
+    assert rc == 0, out
+    uninterrupted = final_losses(out)[1]
+
+    start = time.monotonic()
+    rc, out = run_example(4, *steps, "--checkpoint", ckpt, "--save-every", "20",
+                          "--crash-at-step", "50")
+    assert rc != 0 and "crash: rank 3 kills itself at step 50" in out, out
+    assert "final:" not in out and time.monotonic() - start < 60, out
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "ckpt").glob("ckpt-*")) == \
+        ["00000020", "00000040"]
+
+    rc, out = run_example(2, *steps, "--checkpoint", ckpt, "--save-every", "20")
+    assert rc == 0 and "at step 40" in out and "world_size=2 " in out, out
+    assert final_losses(out)[1] == pytest.approx(uninterrupted, rel=1e-4), out
+
+
+def test_batch_must_divide_among_the_ranks():
+    rc, out = run_example(3, "--steps", "2", "--batch", "256", timeout=60)
+    assert rc != 0 and "--batch 256 is not divisible by the 3 ranks" in out, out
