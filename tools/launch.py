@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 
-from zero1_mpi.launcher import MPIEXEC_ENV, launch_command
+from zero1_mpi.launcher import MPIEXEC_ENV, LauncherError, launch_command
 
 
 def run_ranks(n: int, script: str, args: list[str], mpiexec: str | None = None,
@@ -26,8 +26,14 @@ def run_ranks(n: int, script: str, args: list[str], mpiexec: str | None = None,
     environ = dict(os.environ)
     if mpiexec:
         environ[MPIEXEC_ENV] = mpiexec
-    cmd, env = launch_command(n, [sys.executable, "-m", "mpi4py", script, *args],
-                              environ=environ)
+    try:
+        cmd, env = launch_command(n, [sys.executable, "-m", "mpi4py", script, *args],
+                                  environ=environ)
+    except LauncherError as exc:
+        if not mpiexec:
+            raise
+        raise LauncherError(f"MPI launcher {mpiexec!r} not found on PATH: install one (pip "
+                            "install mpich) or pass --mpiexec /path/to/mpiexec") from exc
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     try:

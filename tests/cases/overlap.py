@@ -72,7 +72,8 @@ def main():
 
 
 def shared_communicator():
-    """Two optimizers on one Communicator: dropping one frees only its persistent requests."""
+    """Two optimizers on one Communicator: dropping one frees only its persistent requests
+    (where this MPI gets persistent collectives), and the other steps on."""
     import gc
 
     from zero1_mpi import Communicator
@@ -85,7 +86,10 @@ def shared_communicator():
     held = len(shared._persistent)
     del first, opt
     gc.collect()
-    assert 0 < len(shared._persistent) < held or size == 1, (held, len(shared._persistent))
+    if shared.persistent:
+        assert 0 < len(shared._persistent) < held or size == 1, (held, len(shared._persistent))
+    else:
+        assert held == 0, held
     second.grads["w"][...] = 1.0
     second.step()
     assert np.allclose(second.params["w"], 1 - 0.1 * 0.01 * 2 - 0.1 * 2, atol=1e-3)
