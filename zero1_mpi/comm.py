@@ -70,21 +70,31 @@ def query_cuda_support() -> bool | None:
     return None
 
 
+def _setting(explicit, argument: str, variable: str, environ, yes: str, no: str):
+    """``(value, how it was decided)`` from an explicit argument or an environment variable
+    (1/0, true/false, ...), or None when neither says."""
+    if explicit is not None:
+        if not isinstance(explicit, bool):
+            raise TypeError(f"{argument}={explicit!r} must be True, False or None (auto)")
+        return explicit, "argument"
+    value = (os.environ if environ is None else environ).get(variable, "").strip().lower()
+    if value in _TRUE:
+        return True, f"{variable}={value}"
+    if value in _FALSE:
+        return False, f"{variable}={value}"
+    if value:
+        raise ValueError(f"{variable}={value!r} is not understood: set it to 1 ({yes}) or 0 "
+                         f"({no}), or unset it")
+    return None
+
+
 def resolve_cuda_aware(explicit: bool | None = None, environ=None,
                        query=query_cuda_support) -> tuple[bool, str]:
     """``(cuda_aware, how it was decided)``: explicit setting, environment, query, default."""
-    if explicit is not None:
-        if not isinstance(explicit, bool):
-            raise TypeError(f"cuda_aware={explicit!r} must be True, False or None (auto)")
-        return explicit, "argument"
-    value = (os.environ if environ is None else environ).get(CUDA_AWARE_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True, f"{CUDA_AWARE_ENV}={value}"
-    if value in _FALSE:
-        return False, f"{CUDA_AWARE_ENV}={value}"
-    if value:
-        raise ValueError(f"{CUDA_AWARE_ENV}={value!r} is not understood: set it to 1 (MPI is "
-                         "CUDA-aware) or 0 (stage GPU buffers through host memory), or unset it")
+    decided = _setting(explicit, "cuda_aware", CUDA_AWARE_ENV, environ, "MPI is CUDA-aware",
+                       "stage GPU buffers through host memory")
+    if decided is not None:
+        return decided
     answer = query()
     if answer is not None:
         return answer, "MPIX_Query_cuda_support"
@@ -114,18 +124,10 @@ def mpi_library(version_text: str | None = None) -> tuple[str, tuple[int, ...]]:
 def resolve_persistent(explicit: bool | None = None, environ=None,
                        library: tuple[str, tuple[int, ...]] | None = None) -> tuple[bool, str]:
     """``(use persistent collectives, why)``: explicit setting, environment, proven library."""
-    if explicit is not None:
-        if not isinstance(explicit, bool):
-            raise TypeError(f"persistent={explicit!r} must be True, False or None (auto)")
-        return explicit, "argument"
-    value = (os.environ if environ is None else environ).get(PERSISTENT_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True, f"{PERSISTENT_ENV}={value}"
-    if value in _FALSE:
-        return False, f"{PERSISTENT_ENV}={value}"
-    if value:
-        raise ValueError(f"{PERSISTENT_ENV}={value!r} is not understood: set it to 1 (use MPI-4 "
-                         "persistent collectives) or 0 (nonblocking ones), or unset it")
+    decided = _setting(explicit, "persistent", PERSISTENT_ENV, environ,
+                       "use MPI-4 persistent collectives", "nonblocking ones")
+    if decided is not None:
+        return decided
     name, version = mpi_library() if library is None else library
     described = f"{name} {'.'.join(map(str, version))}".strip()
     for proven, lowest in PERSISTENT_PROVEN:
