@@ -2,6 +2,8 @@
 path (shared memory off), a rank killed mid-step, and the launcher. CI runs this file, like the
 rest of the suite, under the MPICH, Open MPI and Intel MPI wheels."""
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -108,3 +110,16 @@ def test_a_rank_killed_mid_step_ends_the_job(n):
     assert took < 30, f"the job took {took:.1f} s to end"
     print(f"{mpi_flavor()}: a killed rank ended the {n}-rank job in {took:.1f} s")
 
+
+
+def test_launcher_command_line_runs_a_program_on_n_ranks():
+    program = "from mpi4py import MPI; c = MPI.COMM_WORLD; print('rank', c.rank, 'of', c.size)"
+    result = subprocess.run([sys.executable, "-m", "zero1_mpi.launcher", "-n", "2", "--",
+                             sys.executable, "-c", program], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("rank")) == \
+        ["rank 0 of 2", "rank 1 of 2"], result
+    result = subprocess.run([sys.executable, "-m", "zero1_mpi.launcher", "-n", "2"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no program given" in result.stderr

@@ -6,7 +6,8 @@
 # CuPy, NCCL, MPI and whether it is CUDA-aware), tests/test_gpu.py with ZERO1_REQUIRE_GPU=1
 # (a missing GPU or CuPy fails instead of skipping), tools/gpu_bench.py, the main example on
 # CuPy arrays and, where torch has CUDA, the torch example on DLPack views of CuPy buffers
-# beside the same run with DDP, all multi-rank runs under mpiexec -n 2 (ranks may share a GPU).
+# beside the same run with DDP, all multi-rank runs on 2 ranks (they may share a GPU), launched
+# through zero1_mpi.launcher.
 # Output: gpu_check.log (everything printed), summary.md and summary.json (one line per check,
 # and the benchmark's table).
 #
@@ -34,7 +35,7 @@ elif ! command -v mpiexec >/dev/null; then
   "$PY" -m pip install -q mpich mpi4py ml_dtypes
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export ZERO1_REQUIRE_GPU=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export ZERO1_REQUIRE_GPU=1
 export PYTHONUNBUFFERED=1
 
 results=()
@@ -63,13 +64,13 @@ check test_gpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 check gpu_bench 180 "$PY" tools/gpu_bench.py --elements 256M --markdown "$OUT_DIR/bench.md" \
   --json "$OUT_DIR/bench.json"
 for dtype in float32 bfloat16; do
-  check "train_mlp cupy $dtype" 120 mpiexec -n 2 "$PY" -m mpi4py examples/train_mlp.py \
-    --backend cupy --dtype "$dtype" --steps 100
+  check "train_mlp cupy $dtype" 120 "$PY" -m zero1_mpi.launcher -n 2 -- "$PY" -m mpi4py \
+    examples/train_mlp.py --backend cupy --dtype "$dtype" --steps 100
 done
 # A torch CUDA model whose parameters and .grad are DLPack views of CuPy buffers, against DDP.
 if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   for ref in none ddp; do
-    check "torch_autograd cuda $ref" 180 mpiexec -n 2 "$PY" -m mpi4py \
+    check "torch_autograd cuda $ref" 180 "$PY" -m zero1_mpi.launcher -n 2 -- "$PY" -m mpi4py \
       examples/torch_autograd.py --device cuda --steps 60 --reference "$ref"
   done
 fi

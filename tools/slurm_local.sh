@@ -101,12 +101,8 @@ job=$(sbatch --parsable --wait --nodes=1 --ntasks-per-node=2 --cpus-per-task=1 -
 log=${out//%j/$job}
 echo "--- job $job ($mpi) wrote:"
 cat "$log"
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # root, as this script is
-read -r -a launch < <(PYTHONPATH=$PWD "$PY" -c 'import shlex, sys
-from zero1_mpi.launcher import launch_command
-print(shlex.join(launch_command(2, sys.argv[1:])[0]))' "$PY" -m mpi4py examples/train_mlp.py \
-  --steps "$steps")
-reference=$(PYTHONPATH=$PWD "${launch[@]}" | tail -n 1)
+reference=$(PYTHONPATH=$PWD "$PY" -m zero1_mpi.launcher -n 2 -- "$PY" -m mpi4py \
+  examples/train_mlp.py --steps "$steps" | tail -n 1)
 echo "--- the same training under mpiexec: $reference"
 grep -q "world_size=2 " "$log" || { echo "slurm_local: FAIL: the job did not run on 2 ranks"; exit 1; }
 [ "$(tail -n 1 "$log")" = "$reference" ] || { echo "slurm_local: FAIL: final loss differs"; exit 1; }

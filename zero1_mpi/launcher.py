@@ -14,16 +14,21 @@ line, split as a shell would: ``"/opt/mpi/bin/mpiexec"``, ``"srun --mpi=pmi2"``)
   ``FI_PROVIDER=tcp``. ``tests/cases/network.py`` checks that the ranks then hold TCP
   connections to each other.
 
+From a shell: ``python -m zero1_mpi.launcher -n 4 [--network] -- python -m mpi4py train.py``
+runs that command line (``tools/gpu_check.sh`` and ``tools/slurm_local.sh`` do).
+
 No MPI is imported here: this runs in the parent process, before any rank exists.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 MPIEXEC_ENV = "ZERO1_MPIEXEC"
 
@@ -93,3 +98,27 @@ def launch_command(n: int, program: list[str], *, network: bool = False,
                                 f"{', '.join(_NETWORK_ENV)}")
         environ.update(_NETWORK_ENV[kind])
     return [*argv, *flags, "-n", str(n), *program], environ
+
+
+def main(argv=None) -> None:
+    """Replace this process with ``program`` launched on ``-n`` ranks."""
+    parser = argparse.ArgumentParser(prog="python -m zero1_mpi.launcher",
+                                     description="Run a program on N ranks with this MPI's "
+                                     "launcher and what it needs (see zero1_mpi.launcher).")
+    parser.add_argument("-n", type=int, required=True, help="number of ranks")
+    parser.add_argument("--network", action="store_true", help="no shared memory: TCP")
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="-- program and arguments")
+    args = parser.parse_args(argv)
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    if not program:
+        parser.error("no program given: put it after --")
+    try:
+        command, env = launch_command(args.n, program, network=args.network)
+    except (LauncherError, ValueError) as exc:
+        parser.error(str(exc))
+    sys.stdout.flush()
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()
