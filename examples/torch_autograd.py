@@ -19,7 +19,7 @@ losses as ``losses: [...]`` (JSON) for scripts.
 import argparse
 import json
 import os
-import socket
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -129,9 +129,7 @@ def train_zero1():
 
 def train_ddp():
     import torch.distributed as dist
-    port = comm.bcast(free_port() if rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
+    dist.init_process_group("gloo", store=rendezvous_store(dist), rank=rank, world_size=size)
     model = torch.nn.parallel.DistributedDataParallel(make_model())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
     losses = []
@@ -148,10 +146,14 @@ def train_ddp():
     return losses
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(dist):
+    """gloo's rendezvous: rank 0 serves a TCPStore on a port the OS picks and keeps it open
+    (no window in which another process can take it); MPI tells the others the port."""
+    timeout = timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout,
+                          wait_for_workers=False) if rank == 0 else None
+    port = comm.bcast(store.port if rank == 0 else None)
+    return store or dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
 
 
 def log(step, loss):

@@ -2,21 +2,21 @@
 
 ``python -m mpi4py`` turns an uncaught exception on any rank into ``MPI_Abort`` of the whole
 job, so a failing rank ends the run instead of leaving the others waiting. On timeout the whole
-process group is killed and the test fails with everything the job printed. The command line
+job (the launcher and every process below it) is killed and the test fails with everything
+the job printed. The command line
 comes from ``zero1_mpi.launcher`` (``ZERO1_MPIEXEC``, and what each MPI needs).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from zero1_mpi.launcher import LauncherError, flavor, launch_command, launcher
+from zero1_mpi.launcher import LauncherError, flavor, kill_job, launch_command, launcher
 
 CASES = Path(__file__).parent / "cases"
 ROOT = Path(__file__).parent.parent
@@ -31,7 +31,7 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool =
             env: dict | None = None, abort_on_exception: bool = True, network: bool = False
             ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``n`` ranks from the repository root; fail the test on timeout or
-    (with ``check``) a non-zero exit.
+    (with ``check``) a non-zero exit or a Python traceback on stderr.
 
     ``script`` is a case name of ``tests/cases`` or a path from the root (``examples/...``).
     ``abort_on_exception=False`` runs plain ``python script`` instead of ``python -m mpi4py``;
@@ -57,12 +57,18 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool =
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_job(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # something outside the group holds the pipes
+            out, err = "", "(the job's output could not be read after it was killed)"
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out}\n"
                     f"--- stderr\n{err}")
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{out}\n"
+                    f"--- stderr\n{err}")
+    if check and "Traceback (most recent call last)" in err:
+        pytest.fail(f"{' '.join(cmd)} exited with 0 but printed a traceback\n--- stdout\n{out}\n"
                     f"--- stderr\n{err}")
     return result

@@ -90,4 +90,4 @@ def test_parity_on_cupy_arrays(n, via):
     if via == "nccl" and cupy.cuda.runtime.getDeviceCount() < n:
         pytest.skip(f"NCCL needs a GPU per rank: {n} ranks, fewer GPUs")
     out = run_mpi(n, "parity.py", "cupy", via, timeout=300).stdout
-    assert f"on {n} ranks (cupy{' via NCCL' if via == 'nccl' else ''})" in out
+    assert f"on {n} ranks (cupy{' via NCCL' if via == 'nccl' else ''}, kernel cupy)" in out

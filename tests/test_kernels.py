@@ -1,9 +1,13 @@
-"""The NumPy twin of the fused Adam kernel against the textbook reference, in one process."""
+"""The NumPy twin of the fused Adam kernel against the textbook reference, and the Numba kernel
+against the NumPy twin, in one process. Only the Numba tests skip where Numba is missing."""
 
+import sys
 import tracemalloc
 
 import numpy as np
 import pytest
+
+import zero1_mpi
 
 from reference import ReferenceAdam, max_rel_err, max_ulp_diff
 from zero1_mpi.backend import resolve_dtype
@@ -94,15 +98,20 @@ def test_a_step_allocates_no_per_element_memory(dtype_name, limit):
 
 # -- the Numba fast path: the same bits as the NumPy twin --------------------------------------
 
-numba_kernels = pytest.importorskip("zero1_mpi.kernels_numba", reason="Numba is not installed")
 ENCODINGS = ["float32", "float16", "bfloat16"]
+
+
+@pytest.fixture
+def numba_kernels():
+    return pytest.importorskip("zero1_mpi.kernels_numba", reason="Numba does not import",
+                               exc_type=ImportError)
 
 
 @pytest.mark.parametrize("grad_dtype", ENCODINGS)
 @pytest.mark.parametrize("param_dtype", ENCODINGS)
 @pytest.mark.parametrize("decoupled, weight_decay", [(False, 0.0), (False, 0.1), (True, 0.1)])
 def test_numba_kernel_is_bitwise_the_numpy_twin(grad_dtype, param_dtype, decoupled,
-                                                weight_decay):
+                                                weight_decay, numba_kernels):
     rng = np.random.default_rng(5)
     n = 3 * numba_kernels.CHUNK + 17  # several chunks and a remainder
     master = rng.standard_normal(n).astype(np.float32)
@@ -130,7 +139,7 @@ SPECIAL = np.array([0.0, -0.0, 1.0, -2.5, 65504, 65519.99, 65520, 1e9, -1e9, 6e-
 
 @pytest.mark.parametrize("dtype, convert", [("float16", "_narrow_f16"),
                                             ("bfloat16", "_narrow_bf16")])
-def test_numba_rounding_to_16_bits_matches_numpy(dtype, convert):
+def test_numba_rounding_to_16_bits_matches_numpy(dtype, convert, numba_kernels):
     rng = np.random.default_rng(0)
     values = np.concatenate([SPECIAL, (rng.standard_normal(200_000) * 10.0 ** rng.integers(
         -9, 6, 200_000)).astype(np.float32)])
@@ -141,7 +150,7 @@ def test_numba_rounding_to_16_bits_matches_numpy(dtype, convert):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_numba_sums_of_blocks_and_squares(dtype):
+def test_numba_sums_of_blocks_and_squares(dtype, numba_kernels):
     rng = np.random.default_rng(1)
     blocks = (rng.standard_normal((3, 10_001)) * 4).astype(resolve_dtype(dtype))
     want, got = np.empty(10_001, np.float32), np.empty(10_001, np.float32)
@@ -159,7 +168,17 @@ def test_numba_sums_of_blocks_and_squares(dtype):
 def test_kernel_choice(monkeypatch):
     from zero1_mpi.kernels import KERNEL_ENV, resolve_cpu_kernel
     assert resolve_cpu_kernel({KERNEL_ENV: "numpy"}) == "numpy"
-    assert resolve_cpu_kernel({KERNEL_ENV: "numba"}) == "numba"
-    assert resolve_cpu_kernel({}) == "numba"  # auto: Numba where it imports
     with pytest.raises(ValueError, match=f"{KERNEL_ENV}='fast'"):
         resolve_cpu_kernel({KERNEL_ENV: "fast"})
+    # As if Numba were missing: the module cannot be imported (nor found on the package).
+    monkeypatch.setitem(sys.modules, "zero1_mpi.kernels_numba", None)
+    monkeypatch.delattr(zero1_mpi, "kernels_numba", raising=False)
+    assert resolve_cpu_kernel({}) == "numpy"
+    with pytest.raises(ImportError, match=r"zero1-mpi\[fast\]"):
+        resolve_cpu_kernel({KERNEL_ENV: "numba"})
+
+
+def test_kernel_choice_with_numba(numba_kernels):
+    from zero1_mpi.kernels import KERNEL_ENV, resolve_cpu_kernel
+    assert resolve_cpu_kernel({KERNEL_ENV: "numba"}) == "numba"
+    assert resolve_cpu_kernel({}) == "numba"  # auto: Numba where it imports

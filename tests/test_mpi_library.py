@@ -2,6 +2,8 @@
 path (shared memory off), a rank killed mid-step, and the launcher. CI runs this file, like the
 rest of the suite, under the MPICH, Open MPI and Intel MPI wheels."""
 
+import os
+import re
 import subprocess
 import sys
 import time
@@ -90,7 +92,7 @@ def test_network_mode_joins_every_rank_pair_by_tcp(n, network):
 @pytest.mark.parametrize("n", [2, 3])
 def test_parity_over_the_network(n, network):
     out = run_mpi(n, "parity.py", network=True, timeout=300).stdout
-    assert f"OK parity: 30 cases x 20 steps on {n} ranks (numpy)" in out
+    assert f"OK parity: 33 cases x 20 steps on {n} ranks (numpy, kernel numpy)" in out
 
 
 def test_checkpoints_over_the_network(tmp_path, network):
@@ -123,3 +125,18 @@ def test_launcher_command_line_runs_a_program_on_n_ranks():
     result = subprocess.run([sys.executable, "-m", "zero1_mpi.launcher", "-n", "2"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no program given" in result.stderr
+
+
+def test_a_timed_out_job_is_killed_whole_and_fails_promptly():
+    """The runner kills the launcher and every process below it (hydra puts ranks in sessions
+    of their own), and no wait is unbounded."""
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="did not finish in 5s") as failed:
+        run_mpi(2, "hang.py", timeout=5)
+    assert time.monotonic() - start < 45
+    pids = [int(p) for p in re.findall(r"hanging rank \d pid (\d+)", str(failed.value))]
+    assert len(pids) == 2, str(failed.value)
+    time.sleep(0.5)
+    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
+             not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"]
+    assert not alive, f"ranks left running: {alive}"

@@ -2,8 +2,8 @@
 
 Shared by the tools that measure across world sizes (``memory_table.py --measure``,
 ``checkpoint_bench.py``, ``bench.py --ranks``). The command line comes from
-``zero1_mpi.launcher`` (``ZERO1_MPIEXEC``, or ``--mpiexec``, and what each MPI needs). The job
-runs in its own process group, killed whole on timeout.
+``zero1_mpi.launcher`` (``ZERO1_MPIEXEC``, or ``--mpiexec``, and what each MPI needs). On
+timeout the job is killed whole (the launcher and every process below it).
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 
-from zero1_mpi.launcher import MPIEXEC_ENV, LauncherError, launch_command
+from zero1_mpi.launcher import MPIEXEC_ENV, LauncherError, kill_job, launch_command
 
 
 def run_ranks(n: int, script: str, args: list[str], mpiexec: str | None = None,
@@ -39,8 +38,11 @@ def run_ranks(n: int, script: str, args: list[str], mpiexec: str | None = None,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_job(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(no output: the job's pipes stayed open after it was killed)"
         raise RuntimeError(f"`{shlex.join(cmd)}` did not finish in {timeout:g} s (raise "
                            f"--timeout or lower --params):\n{out}{err}") from None
     if proc.returncode != 0:

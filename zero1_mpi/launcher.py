@@ -27,6 +27,7 @@ import functools
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -98,6 +99,30 @@ def launch_command(n: int, program: list[str], *, network: bool = False,
                                 f"{', '.join(_NETWORK_ENV)}")
         environ.update(_NETWORK_ENV[kind])
     return [*argv, *flags, "-n", str(n), *program], environ
+
+
+def kill_job(pid: int) -> None:
+    """SIGKILL the launcher ``pid`` and every process below it. Launchers put their proxies
+    and ranks in sessions of their own (MPICH's hydra does), so killing the launcher's
+    process group would leave ranks running, holding its output pipes open."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    doomed, todo = [], [pid]
+    while todo:
+        doomed.append(todo.pop())
+        todo.extend(children.get(doomed[-1], []))
+    for victim in doomed:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def main(argv=None) -> None:

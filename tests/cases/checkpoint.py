@@ -23,6 +23,7 @@ from reference import ReferenceAdam, close_to_reference
 from zero1_mpi import ZeroAdamW
 from zero1_mpi.backend import resolve_dtype
 from zero1_mpi.checkpoint import CHUNK
+from expect import check
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -68,7 +69,7 @@ def save(directory: Path):
         opt = make(dtype_name)
         train(opt, range(1, HALF + 1))
         _, peak = peak_bytes(lambda: opt.save(out / "root"))
-        assert peak < MEMORY_LIMIT, f"save allocated {peak} bytes"
+        check(peak < MEMORY_LIMIT, f"save allocated {peak} bytes")
         opt.save_consolidated(out / "half.safetensors")
         train(opt, range(HALF + 1, 2 * HALF + 1))
         opt.save_consolidated(out / "end.safetensors")
@@ -91,22 +92,22 @@ def load(directory: Path):
 
             opt = make(dtype_name)
             _, peak = peak_bytes(lambda: opt.load(out / "root"))
-            assert peak < MEMORY_LIMIT, f"{where}: load allocated {peak} bytes"
-            assert opt.step_count == HALF, where
+            check(peak < MEMORY_LIMIT, f"{where}: load allocated {peak} bytes")
+            check(opt.step_count == HALF, where)
             opt.save_consolidated(scratch / "loaded.safetensors")
-            assert same_file(scratch / "loaded.safetensors", out / "half.safetensors"), where
+            check(same_file(scratch / "loaded.safetensors", out / "half.safetensors"), where)
 
             other = make(dtype_name)
             other.load_consolidated(out / "half.safetensors")
-            assert np.array_equal(other._params.view(np.uint8), opt._params.view(np.uint8))
+            check(np.array_equal(other._params.view(np.uint8), opt._params.view(np.uint8)))
             other.save_consolidated(scratch / "imported.safetensors")
-            assert same_file(scratch / "imported.safetensors", out / "half.safetensors"), where
+            check(same_file(scratch / "imported.safetensors", out / "half.safetensors"), where)
 
             train(opt, range(HALF + 1, 2 * HALF + 1))
             check_against_reference(opt, n_saved, where)
             if n_saved == size:  # the same reductions as the uninterrupted run: bitwise
                 opt.save_consolidated(scratch / "end.safetensors")
-                assert same_file(scratch / "end.safetensors", out / "end.safetensors"), where
+                check(same_file(scratch / "end.safetensors", out / "end.safetensors"), where)
             checked += 1
     if rank == 0:
         print(f"OK checkpoints: {checked} loads on {size} ranks")
@@ -122,7 +123,7 @@ def check_against_reference(opt, n_saved, where):
                   for k in SHAPES})
     for k in SHAPES:
         ok, err = close_to_reference(opt.params[k], ref.params[k], dtype)
-        assert ok, f"{where}: {k!r} off by {err} after training on"
+        check(ok, f"{where}: {k!r} off by {err} after training on")
 
 
 if __name__ == "__main__":

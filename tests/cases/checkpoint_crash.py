@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 import zero1_mpi.checkpoint as checkpoint
 from zero1_mpi import ZeroAdamW
+from expect import check
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -72,19 +73,19 @@ def crash(directory, moment):
     print("UNREACHABLE: the save finished on rank", rank, flush=True)
 
 
-def check(directory):
+def check_after_crash(directory):
     opt = make()
     opt.load(directory / "root")
-    assert opt.step_count == 3, opt.step_count
+    check(opt.step_count == 3, opt.step_count)
     opt.save_consolidated(directory / "after-crash.safetensors")
     if rank == 0:
         good = (directory / "good.safetensors").read_bytes()
-        assert (directory / "after-crash.safetensors").read_bytes() == good, "state differs"
+        check((directory / "after-crash.safetensors").read_bytes() == good, "state differs")
     train(opt, range(3, 4))
     opt.save(directory / "root", keep=1)
     comm.Barrier()
     left = sorted(p.name for p in (directory / "root").iterdir())
-    assert len(left) == 2 and "LATEST" in left, left  # one checkpoint; the debris is gone
+    check(len(left) == 2 and "LATEST" in left, left)
     if rank == 0:
         print(f"OK crash recovery on {size} ranks: left {left}")
 
@@ -94,4 +95,4 @@ if __name__ == "__main__":
     if phase == "crash":
         crash(where, sys.argv[3])
     else:
-        {"prepare": prepare, "check": check}[phase](where)
+        {"prepare": prepare, "check": check_after_crash}[phase](where)

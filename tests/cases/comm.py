@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from zero1_mpi import CollectiveError, Communicator, ZeroAdam
 from zero1_mpi.backend import PARAM_DTYPES
+from expect import check
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -38,31 +39,31 @@ def check_collectives(comm):
         comm.alltoall(send, recv)
         for src in range(size):
             want = exact_values(n, src, dtype)[rank * block:(rank + 1) * block]
-            assert np.array_equal(recv[src * block:(src + 1) * block], want), name
+            check(np.array_equal(recv[src * block:(src + 1) * block], want), name)
         # In-place Allgather: each rank fills its own block first.
         buf = np.zeros(n, dtype)
         buf[rank * block:(rank + 1) * block] = exact_values(block, rank, dtype)
         comm.allgather_inplace(buf)
         for src in range(size):
-            assert np.array_equal(buf[src * block:(src + 1) * block],
-                                  exact_values(block, src, dtype)), name
+            check(np.array_equal(buf[src * block:(src + 1) * block],
+                                 exact_values(block, src, dtype)), name)
         # Bcast from the last rank.
         buf = exact_values(n, rank, dtype)
         comm.bcast(buf, root=size - 1)
-        assert np.array_equal(buf, exact_values(n, size - 1, dtype)), name
+        check(np.array_equal(buf, exact_values(n, size - 1, dtype)), name)
         # Reduce-scatter exists for the dtypes MPI can sum.
         if name != "bfloat16":
             buf = send.copy()
             got = comm.reduce_scatter_sum(buf)  # in place: MPI leaves my block at the front
             want = sum(exact_values(n, r, np.float32) for r in range(size))
             mine = want[rank * block:(rank + 1) * block].astype(dtype)
-            assert np.shares_memory(got, buf[:block]) and got.size == block, name
-            assert np.array_equal(got, mine), name
+            check(np.shares_memory(got, buf[:block]) and got.size == block, name)
+            check(np.array_equal(got, mine), name)
         else:
             try:
                 comm.reduce_scatter_sum(send.copy())
             except TypeError as exc:
-                assert "bfloat16" in str(exc)
+                check("bfloat16" in str(exc))
             else:
                 raise AssertionError("bfloat16 reduction did not raise")
 
@@ -102,13 +103,13 @@ def check_reduce_scatter_adds_in_some_order():
             else:
                 comm.start_reduce_scatter(buf).wait()
                 got = comm.reduced_block(buf)
-            assert got.tobytes() in orders, (how, stage_host, "not a sum of the ranks' values")
+            check(got.tobytes() in orders, (how, stage_host, "not a sum of the ranks' values"))
         comm.close()
 
 
 def check_allreduce_sum(comm):
     totals = comm.allreduce_sum([rank, 1.0, np.inf if rank == size - 1 else 0.0])
-    assert list(totals) == [size * (size - 1) / 2, size, np.inf]
+    check(list(totals) == [size * (size - 1) / 2, size, np.inf])
 
 
 def check_agreement(comm):
@@ -116,7 +117,7 @@ def check_agreement(comm):
     try:
         comm.agree("bad value on the last rank" if rank == size - 1 else None)
     except ValueError as exc:
-        assert f"bad value on the last rank [detected on rank {size - 1}" in str(exc)
+        check(f"bad value on the last rank [detected on rank {size - 1}" in str(exc))
     else:
         raise AssertionError("agree did not raise")
     comm.check_same("same", "a value", "fix it")
@@ -124,7 +125,7 @@ def check_agreement(comm):
         try:
             comm.check_same(rank == 0, "the flag", "pass the same flag")
         except CollectiveError as exc:
-            assert "the flag differs between ranks" in str(exc)
+            check("the flag differs between ranks" in str(exc))
         else:
             raise AssertionError("check_same did not raise")
 
@@ -145,14 +146,14 @@ def check_optimizer_through_staging():
                 opt.step()
             results.append(opt._params.copy())
             if stage_host:
-                assert comm.staging_bytes > 0
+                check(comm.staging_bytes > 0)
     half = len(results) // 2
     for dtype, direct, staged in zip(("float32", "float16", "bfloat16"), results[:half],
                                      results[half:]):
         if dtype == "float32":
-            assert np.allclose(direct, staged, rtol=1e-6, atol=1e-7), dtype
+            check(np.allclose(direct, staged, rtol=1e-6, atol=1e-7), dtype)
         else:
-            assert np.array_equal(direct.view(np.uint8), staged.view(np.uint8)), dtype
+            check(np.array_equal(direct.view(np.uint8), staged.view(np.uint8)), dtype)
 
 
 def check_float16_reduction_in_mpi():
@@ -165,7 +166,7 @@ def check_float16_reduction_in_mpi():
             opt.grads["w"][...] = exact_values(333, rank + step, np.float16)
             opt.step()
         results.append(opt._params.copy())
-    assert np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16))
+    check(np.array_equal(results[0].view(np.uint16), results[1].view(np.uint16)))
 
 
 def check_steady_state_allocations():
@@ -184,7 +185,7 @@ def check_steady_state_allocations():
         tracemalloc.stop()
         # NumPy's fixed-size cast buffers (16-bit, NumPy kernel) are the largest item.
         limit = 8 * 1024 if opt.kernel == "numba" or dtype == "float32" else 64 * 1024
-        assert peak < limit, f"{dtype}/{opt.kernel}: a step allocated {peak} bytes"
+        check(peak < limit, f"{dtype}/{opt.kernel}: a step allocated {peak} bytes")
 
 
 def main():

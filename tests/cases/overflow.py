@@ -8,6 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from zero1_mpi import CollectiveError, LossScaler, ZeroAdam
+from expect import check
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -51,25 +52,25 @@ def dynamic_scaling():
     opt = make(LossScaler.dynamic_scaler(init_scale=1024.0, min_scale=256.0,
                                          growth_interval=1000))
     fill(opt, 1)
-    assert not opt.step().skipped
+    check(not opt.step().skipped)
     for bad_rank, bad_value, scale_before in ((last, np.inf, 1024.0), (0, np.nan, 512.0)):
         fill(opt, 2, bad_rank, bad_value)
         before = snapshot(opt)
         info = opt.step()
-        assert info.skipped and info.loss_scale == scale_before and info.step == 1, info
-        assert not np.isfinite(info.grad_norm)
-        assert opt.loss_scale == scale_before / 2 and opt.step_count == 1
-        assert unchanged(opt, before), "a skipped step changed the optimizer"
-        assert not any(np.any(g != 0) for g in opt.grads.values())
+        check(info.skipped and info.loss_scale == scale_before and info.step == 1, info)
+        check(not np.isfinite(info.grad_norm))
+        check(opt.loss_scale == scale_before / 2 and opt.step_count == 1)
+        check(unchanged(opt, before), "a skipped step changed the optimizer")
+        check(not any(np.any(g != 0) for g in opt.grads.values()))
     # At the minimum scale an overflow cannot be answered by backing off: error everywhere.
     fill(opt, 3, last)
     before = snapshot(opt)
     expect_raise(FloatingPointError, ["inf or nan", "loss scale 256", "nothing was updated"],
                  opt.step)
-    assert unchanged(opt, before)
+    check(unchanged(opt, before))
     fill(opt, 4)  # and training goes on once the gradients are finite again
     info = opt.step()
-    assert not info.skipped and info.step == 2 and not unchanged(opt, before)
+    check(not info.skipped and info.step == 2 and not unchanged(opt, before))
 
 
 def without_dynamic_scaling():
@@ -78,7 +79,7 @@ def without_dynamic_scaling():
         fill(opt, 1, last, np.nan)
         before = snapshot(opt)
         expect_raise(FloatingPointError, ["inf or nan", "loss_scale='dynamic'"], opt.step)
-        assert unchanged(opt, before) and opt.step_count == 0
+        check(unchanged(opt, before) and opt.step_count == 0)
 
 
 def float16_sum_overflows_in_mpi():
@@ -87,7 +88,7 @@ def float16_sum_overflows_in_mpi():
         opt = make(LossScaler.dynamic_scaler(init_scale=2.0), reduce_dtype=reduce_dtype)
         opt.grads["w"][...] = 60000.0  # x 2 ranks > 65504, the largest float16
         info = opt.step()
-        assert info.skipped is overflows, (reduce_dtype, info)
+        check(info.skipped is overflows, (reduce_dtype, info))
 
 
 def bad_group_option_on_one_rank():
@@ -99,10 +100,10 @@ def bad_group_option_on_one_rank():
         opt.param_groups[0]["lr"] = -0.5
     fill(opt, 2)
     expect_raise(ValueError, ["param_groups[0]", "lr=-0.5", f"rank {last}"], opt.step)
-    assert unchanged(opt, before) and opt.step_count == 1
+    check(unchanged(opt, before) and opt.step_count == 1)
     opt.param_groups[0]["lr"] = 1e-2
     fill(opt, 2)
-    assert opt.step().step == 2
+    check(opt.step().step == 2)
 
 
 def different_lr_on_one_rank():
@@ -115,9 +116,9 @@ def different_lr_on_one_rank():
     fill(opt, 2)
     if size > 1:
         expect_raise(CollectiveError, ["param_groups options", "differ between ranks"], opt.step)
-        assert unchanged(opt, before) and opt.step_count == 1
+        check(unchanged(opt, before) and opt.step_count == 1)
     else:
-        assert opt.step().step == 2
+        check(opt.step().step == 2)
 
 
 def main():

@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from zero1_mpi import ZeroAdamW
+from expect import check
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -25,7 +26,7 @@ def make(dtype):
 def main():
     for dtype in ("float32", "bfloat16", "float16"):
         plain, overlapped = make(dtype), make(dtype)
-        assert len(plain.layout.buckets) > 3
+        check(len(plain.layout.buckets) > 3)
         for step in range(6):
             rng = np.random.default_rng([step, rank])
             grads = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
@@ -41,22 +42,22 @@ def main():
                 overlapped.grads[k][...] = grads[k]
                 overlapped.grads_ready([k])
             started = len(overlapped._started) + len(overlapped._reduced)
-            assert started == len(overlapped.layout.buckets), "not all started in backward"
+            check(started == len(overlapped.layout.buckets), "not all started in backward")
             overlapped.step(wait=step % 2 == 0)  # odd steps: parameters gathered lazily
             for k in SHAPES:  # reading through opt.params completes the gathers
                 a, b = plain.params[k], overlapped.params[k]
-                assert np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)), \
-                    (dtype, step, k)
+                check(np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)),
+                      (dtype, step, k))
         overlapped.step(wait=False)
         overlapped.wait()
-        assert not overlapped._gathers
+        check(not overlapped._gathers)
         # zero_grad() in the middle of a round completes and forgets what had started.
         for k in reversed(SHAPES):
             overlapped.grads[k][...] = 1.0
             overlapped.grads_ready([k])
         overlapped.zero_grad()
-        assert not overlapped._started and not overlapped._reduced
-        assert all(not np.any(g) for g in overlapped.grads.values())
+        check(not overlapped._started and not overlapped._reduced)
+        check(all(not np.any(g) for g in overlapped.grads.values()))
         for bad, error in (("nope", KeyError), ("layer7", ValueError)):
             try:
                 overlapped.grads_ready(["layer7"] if bad == "layer7" else [bad])
@@ -87,12 +88,12 @@ def shared_communicator():
     del first, opt
     gc.collect()
     if shared.persistent:
-        assert 0 < len(shared._persistent) < held or size == 1, (held, len(shared._persistent))
+        check(0 < len(shared._persistent) < held or size == 1, (held, len(shared._persistent)))
     else:
-        assert held == 0, held
+        check(held == 0, held)
     second.grads["w"][...] = 1.0
     second.step()
-    assert np.allclose(second.params["w"], 1 - 0.1 * 0.01 * 2 - 0.1 * 2, atol=1e-3)
+    check(np.allclose(second.params["w"], 1 - 0.1 * 0.01 * 2 - 0.1 * 2, atol=1e-3))
 
 
 if __name__ == "__main__":
