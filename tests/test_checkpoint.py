@@ -1,5 +1,7 @@
 """Sharded checkpoints and consolidated exports across world sizes, crashes and bad files."""
 
+import re
+
 import pytest
 
 from mpirun import run_mpi
@@ -16,6 +18,25 @@ def test_every_world_size_loads_every_other(tmp_path):
         assert f"OK checkpoints: {2 * len(RANKS)} loads on {m} ranks" in out
 
 
+def assert_killed_at(moment: str, n: int, out: str) -> None:
+    """The crash case's ``KILLED at <moment>: <what was on disk>`` line shows the kill
+    happened at that point of the save of step 5, with step 3's checkpoint still LATEST."""
+    found = re.search(rf"^KILLED at {moment}: (.*); LATEST=(\S+)$", out, re.MULTILINE)
+    assert found, out
+    entries = dict(re.findall(r"(\S+)/\[([^\]]*)\]", found.group(1)))
+    assert found.group(2).startswith("ckpt-00000003-") and found.group(2) in entries, out
+    shards = {f"shard-{r:05d}.npy" for r in range(n)}
+    tmp = [files.split() for name, files in entries.items() if name.startswith(".tmp-00000005-")]
+    new = [files.split() for name, files in entries.items() if name.startswith("ckpt-00000005-")]
+    if moment == "mid-shard":  # the killed (last) rank's file is being written; no manifest
+        assert len(tmp) == 1 and f"shard-{n - 1:05d}.npy" in tmp[0], out
+        assert "manifest.json" not in tmp[0] and not new, out
+    elif moment == "before-rename":  # everything written, not yet renamed into place
+        assert len(tmp) == 1 and set(tmp[0]) == shards | {"manifest.json"} and not new, out
+    else:  # renamed into place, but LATEST still names the old checkpoint
+        assert not tmp and len(new) == 1 and set(new[0]) == shards | {"manifest.json"}, out
+
+
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("moment", ["mid-shard", "before-rename", "before-latest"])
 def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, n, moment):
@@ -23,6 +44,7 @@ def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, n, m
     crashed = run_mpi(n, "checkpoint_crash.py", "crash", str(tmp_path), moment, check=False,
                       timeout=120)
     assert crashed.returncode != 0 and "UNREACHABLE" not in crashed.stdout
+    assert_killed_at(moment, n, crashed.stdout)
     out = run_mpi(n, "checkpoint_crash.py", "check", str(tmp_path)).stdout
     assert f"OK crash recovery on {n} ranks" in out
 

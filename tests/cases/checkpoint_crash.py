@@ -8,8 +8,10 @@
 on and kills one rank (SIGKILL, no cleanup) at ``moment`` of the next save: ``mid-shard``
 (the last rank, halfway through writing its file), ``before-rename`` (rank 0, all files
 written and synced), ``before-latest`` (rank 0, the new directory in place but LATEST not yet
-replaced). ``check`` loads the root again: it must be the good checkpoint, bit for bit, and
-the next save must succeed and clear what the crash left.
+replaced). Just before it dies, the killed rank prints ``KILLED at <moment>:`` and what it
+saw on disk there, so the test knows the kill happened at that point and not elsewhere.
+``check`` loads the root again: it must be the good checkpoint, bit for bit, and the next save
+must succeed and clear what the crash left.
 """
 
 import os
@@ -40,8 +42,20 @@ def train(opt, steps):
         opt.step()
 
 
-def die():
+def die(moment, seen):
+    print(f"KILLED at {moment}: {seen}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def on_disk(root: Path) -> str:
+    """What a save has left under ``root`` so far: temporary and complete checkpoints, their
+    files, and what LATEST names."""
+    entries = []
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir():
+            entries.append(f"{entry.name}/[{' '.join(sorted(f.name for f in entry.iterdir()))}]")
+    latest = (root / checkpoint.LATEST).read_text()
+    return f"{' '.join(entries)}; LATEST={latest}"
 
 
 def prepare(directory):
@@ -53,7 +67,8 @@ def prepare(directory):
 
 def crash(directory, moment):
     opt = make()
-    opt.load(directory / "root")
+    root = directory / "root"
+    opt.load(root)
     train(opt, range(3, 5))
     if moment == "mid-shard" and rank == size - 1:
         calls = []
@@ -62,14 +77,26 @@ def crash(directory, moment):
         def dying_row_views(*args):
             calls.append(1)
             if len(calls) == 3:  # some rows are on disk, the rest never will be
-                die()
+                die(moment, on_disk(root))
             return original(*args)
         checkpoint.row_views = dying_row_views
     elif moment == "before-rename" and rank == 0:
-        checkpoint.os.rename = lambda *args: die()
+        rename = checkpoint.os.rename
+
+        def dying_rename(src, dst):
+            if Path(src).name.startswith(".tmp-"):
+                die(moment, on_disk(root))
+            rename(src, dst)
+        checkpoint.os.rename = dying_rename
     elif moment == "before-latest" and rank == 0:
-        checkpoint.os.replace = lambda *args: die()
-    opt.save(directory / "root")
+        replace = checkpoint.os.replace
+
+        def dying_replace(src, dst):
+            if Path(dst).name == checkpoint.LATEST:
+                die(moment, on_disk(root))
+            replace(src, dst)
+        checkpoint.os.replace = dying_replace
+    opt.save(root)
     print("UNREACHABLE: the save finished on rank", rank, flush=True)
 
 
