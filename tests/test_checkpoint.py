@@ -92,3 +92,9 @@ def test_the_export_is_a_safetensors_file(tmp_path):
         assert np.array_equal(loaded[f"exp_avg_sq/{t.name}"].reshape(-1), opt._exp_avg_sq[flat])
         assert loaded[f"exp_avg/{t.name}"].shape == t.shape
     assert loaded["exp_avg/w"].min() > 0 and not loaded["exp_avg/s"].any()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_export_holds_the_reference_state_and_reloads_keep_scaler_and_options(tmp_path, n):
+    out = run_mpi(n, "checkpoint_content.py", str(tmp_path), timeout=180).stdout
+    assert f"OK checkpoint content on {n} ranks" in out
