@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from mpirun import run_mpi
 from zero1_mpi.memory import (MemoryReport, baseline_bytes, format_param_count, format_table,
                               parse_param_count, stage1_bytes, stage1_fp32_bytes, stage2_bytes,
                               stage3_bytes)
@@ -25,6 +25,7 @@ Per-GPU memory (GB) for a 7B parameter model
     64      112.0G      29.3G      15.5G       1.8G
    128      112.0G      28.7G      14.8G       0.9G"""
 SEED_GPUS = [1, 4, 8, 16, 32, 64, 128]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +217,13 @@ def test_measure_matches_the_formula(tool):
     assert table[0] == "Measured bytes per rank, ZeroAdam, 10K float16 parameters"
     assert [line.split()[0] for line in table[3:]] == ["1", "2"]
     assert all(line.endswith("yes") for line in table[3:])
+
+
+# -- measured, not derived ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_allocations_measured_with_tracemalloc_follow_the_formula(tmp_path, n):
+    """tests/cases/memory.py: held bytes == memory_report().total, growth with Ψ == the
+    formula's, bounded checkpoint peaks on a model whose state exceeds the bound."""
+    out = run_mpi(n, "memory.py", str(tmp_path), timeout=240).stdout
+    assert f"OK measured memory on {n} ranks" in out
