@@ -91,3 +91,25 @@ def test_parity_on_cupy_arrays(n, via):
         pytest.skip(f"NCCL needs a GPU per rank: {n} ranks, fewer GPUs")
     out = run_mpi(n, "parity.py", "cupy", via, timeout=300).stdout
     assert f"on {n} ranks (cupy{' via NCCL' if via == 'nccl' else ''}, kernel cupy)" in out
+
+
+def test_device_memory_is_measured_and_follows_the_formula():
+    """What the optimizer takes from CuPy's memory pool equals memory_report().total, and grows
+    with Ψ as 2Ψ + 2Ψ + 12Ψ/N does (N = 1 here: 16 bytes per bf16 parameter)."""
+    pool = cupy.get_default_memory_pool()
+    measured = []
+    for psi in (1_000_000, 3_000_000):
+        params = {"w": cupy.ones(psi, np.float32)}
+        cupy.cuda.Device().synchronize()
+        before = pool.used_bytes()
+        opt = ZeroAdamW(params, MPI.COMM_SELF, param_dtype="bfloat16")
+        opt.grads["w"][...] = 1e-3
+        opt.step()
+        cupy.cuda.Device().synchronize()
+        measured.append((pool.used_bytes() - before, opt.memory_report()))
+        del opt, params
+    slack = 64 * 1024  # the pool rounds each allocation up to 512 bytes; a few small arrays
+    for held, report in measured:
+        assert abs(held - report.total) <= slack, (held, report.total)
+    grown = measured[1][0] - measured[0][0]
+    assert abs(grown - 16 * 2_000_000) <= slack, grown
