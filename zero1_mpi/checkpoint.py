@@ -1,12 +1,15 @@
 """Sharded checkpoints: saved without gathering, loaded at any world size, never half-written.
 
 A checkpoint *root* directory holds complete checkpoints ``ckpt-<step>-<time>/`` and a file
-``LATEST`` naming the current one. A checkpoint is ``manifest.json`` plus one ``shard-<rank>.npy``
-per saving rank: a float32 array whose rows are the master weights, exp_avg, exp_avg_sq (and,
-for 16-bit parameters, the parameters as exact fp32 values) over the flat ranges that rank
-owned. The manifest lists every file with its ranges, size and SHA-256, and the layout, step,
-options and loss-scaler state. Flat positions do not depend on the world size (tensors are
-packed from 0 and only the end is padded), so any number of ranks can load any checkpoint.
+``LATEST`` naming the current one. A checkpoint is ``manifest.json`` plus one
+``shard-<rank>.npy`` per saving rank: a float32 array whose rows are the master weights, the
+update rule's state (Adam: exp_avg, exp_avg_sq) and, for 16-bit parameters, the parameters as
+exact fp32 values, over the flat ranges that rank owned. The manifest lists every file with its
+ranges, size and SHA-256, and the rule, its rows, the layout, step, options and loss-scaler
+state; only an optimizer of the same rule loads it. The optimizer's state is read and written
+through its public ``shard_state`` and ``gather_params``. Flat positions do not depend on the
+world size (tensors are packed from 0 and only the end is padded), so any number of ranks can
+load any checkpoint.
 
 ``save`` writes into a hidden temporary directory; every rank syncs its file; then rank 0
 writes the manifest, renames the directory into place and replaces ``LATEST`` (atomic renames,
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import backend
 from .backend import to_numpy
 from .params import group_record, restore_options
 from .scaler import LossScaler
@@ -36,7 +40,6 @@ FORMAT = "zero1_mpi.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
-ROWS = ("master", "exp_avg", "exp_avg_sq", "param")
 CHUNK = 1 << 20  # elements read or written at a time: 4 MiB of float32
 _NAME = re.compile(r"^ckpt-\d{8,}-\d+$")
 _SHARD = re.compile(r"^shard-\d{5,}\.npy$")
@@ -82,27 +85,38 @@ def save(opt, path, keep: int | None = None) -> Path:
     return root / comm.comm.bcast(final)
 
 
+def rows(opt) -> list[str]:
+    """The rows of a shard file, in order: the master weights, the rule's state, and for
+    16-bit parameters the parameters (as exact fp32 values)."""
+    return ["master", *opt.state_names] + (["param"] if opt.param_dtype.itemsize < 4 else [])
+
+
 def row_views(opt, lo: int, hi: int, state: int) -> list:
     """This rank's state over flat ``[lo, hi)`` (which starts at ``state`` in its shard
-    arrays), one view per row of ``ROWS`` that this optimizer keeps."""
-    s = slice(state, state + hi - lo)
-    master = opt._master[s] if opt._mixed else opt._params[lo:hi]
-    views = [master, opt._exp_avg[s], opt._exp_avg_sq[s]]
-    return views + [opt._params[lo:hi]] if opt._mixed else views
+    arrays), one view per row of ``rows(opt)``."""
+    views = opt.shard_state(lo, hi, state)
+    return [views[row] for row in rows(opt)]
+
+
+def check_rule(opt, saved_rule, where) -> None:
+    """A checkpoint holds the state of one update rule: only that rule can load it."""
+    if saved_rule != opt.rule:
+        raise CheckpointError(f"{where} holds the state of the {saved_rule!r} rule, but the "
+                              f"optimizer runs {opt.rule!r}: load it into an optimizer of the "
+                              "rule that saved it")
 
 
 def _write_shard(opt, file: Path) -> dict:
     ranges = opt.layout.owned(opt.rank)
     count = sum(hi - lo for lo, hi, _ in ranges)
-    rows = len(row_views(opt, 0, 0, 0))
     header = io.BytesIO()
     np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False,
-                                                  "shape": (rows, count)})
+                                                  "shape": (len(rows(opt)), count)})
     digest = hashlib.sha256(header.getvalue())
     size = len(header.getvalue())
     with open(file, "wb") as f:
         f.write(header.getvalue())
-        for row in range(rows):
+        for row in range(len(rows(opt))):
             for lo, hi, state in ranges:
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
@@ -123,7 +137,7 @@ def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
         "fingerprint": fingerprint(opt),
         "world_size": opt.world_size, "step": opt.step_count,
         "param_dtype": opt.param_dtype.name, "numel": opt.layout.numel,
-        "rows": list(ROWS[:3 + opt._mixed]),
+        "rule": opt.rule, "rows": rows(opt),
         "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
                     for t in opt.layout.tensors],
         "param_groups": [group_record(g) for g in opt.param_groups],
@@ -210,6 +224,7 @@ def load(opt, path) -> Path:
 
     with comm.abort_on_error(f"while reading the checkpoint {ckpt}"):
         maps = {}
+        xp = backend.xp_for(opt.backend)
         for file, column, lo, hi, state in reads:
             if file not in maps:
                 maps[file] = np.load(ckpt / file, mmap_mode="r", allow_pickle=False)
@@ -217,9 +232,9 @@ def load(opt, path) -> Path:
                 stop = min(hi, start + CHUNK)
                 columns = slice(column + start - lo, column + stop - lo)
                 for row, view in enumerate(row_views(opt, start, stop, state + start - lo)):
-                    view[...] = opt._xp.asarray(maps[file][row, columns])  # exact casts
+                    view[...] = xp.asarray(maps[file][row, columns])  # exact casts
         del maps
-        opt._gather_params()
+        opt.gather_params()
         apply_counters(opt, counters)
     return ckpt
 
@@ -304,6 +319,10 @@ def check_compatible(opt, manifest: dict, ckpt: Path) -> None:
     if manifest["param_dtype"] != opt.param_dtype.name:
         raise CheckpointError(f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
                               f"the optimizer has {opt.param_dtype.name!r}: use the same")
+    check_rule(opt, manifest.get("rule", "adam"), ckpt)  # version 1 without it: Adam's
+    if manifest["rows"] != rows(opt):
+        raise CheckpointError(f"{ckpt} holds the rows {manifest['rows']}, the optimizer keeps "
+                              f"{rows(opt)}")
 
 
 

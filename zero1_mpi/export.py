@@ -2,8 +2,9 @@
 
 The file is in the safetensors format: an 8-byte little-endian header length, a JSON header
 giving each tensor's dtype, shape and byte range, then the raw little-endian data. It holds
-``master/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` in float32, and, in
-``__metadata__``, the step, loss-scaler state and param groups. ``safetensors.numpy.load_file``
+``master/<name>`` and one ``<state>/<name>`` per state array of the update rule (Adam:
+``exp_avg``, ``exp_avg_sq``) in float32, and, in ``__metadata__``, the rule, step, loss-scaler
+state and param groups. ``safetensors.numpy.load_file``
 or a few lines of NumPy read it. Both directions stream: rank 0 writes pieces that the owning
 ranks send it in bounded chunks, and each rank reads only the slices it owns, so no rank ever
 holds the full state. The file appears by an atomic rename once complete. Both functions must
@@ -21,12 +22,17 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy
-from .checkpoint import CHUNK, CheckpointError, apply_counters, read_counters, row_views
+from . import backend
+from .checkpoint import CHUNK, CheckpointError, apply_counters, check_rule, read_counters
 from .params import group_record
 
 FORMAT = "zero1_mpi.consolidated"
 VERSION = "1"
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def kinds(opt) -> tuple[str, ...]:
+    """What the file holds per tensor: the master weights and the rule's state."""
+    return ("master", *opt.state_names)
 
 
 def save_consolidated(opt, path) -> Path:
@@ -46,12 +52,12 @@ def save_consolidated(opt, path) -> Path:
 
     with comm.abort_on_error(f"while writing {file}"):
         received = np.empty(CHUNK, np.float32) if comm.rank == 0 else None
-        for row in range(len(KINDS)):
+        for kind in kinds(opt):
             for owner, lo, hi, state in _pieces_in_flat_order(opt.layout):
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
                     if comm.rank == owner:
-                        view = row_views(opt, start, stop, state + start - lo)[row]
+                        view = opt.shard_state(start, stop, state + start - lo)[kind]
                         data = np.ascontiguousarray(to_numpy(view), dtype="<f4")
                         if owner == 0:
                             out.write(data.data)
@@ -91,22 +97,23 @@ def load_consolidated(opt, path) -> Path:
     comm.agree(error)
 
     with comm.abort_on_error(f"while reading {file}"), open(file, "rb") as f:
+        xp = backend.xp_for(opt.backend)
         buffer = np.empty(CHUNK, np.float32)
         for lo, hi, state in opt.layout.owned(comm.rank):
             for tensor, a, b in opt.layout.pieces(lo, hi):
                 for start in range(a, b, CHUNK):
                     stop = min(b, start + CHUNK)
-                    views = row_views(opt, start, stop, state + start - lo)
-                    for row, kind in enumerate(KINDS):
+                    views = opt.shard_state(start, stop, state + start - lo)
+                    for kind in kinds(opt):
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
                         chunk = buffer[:stop - start]
                         if f.readinto(chunk.view(np.uint8)) != chunk.nbytes:
                             raise CheckpointError(f"{file} ended early")
-                        views[row][...] = opt._xp.asarray(chunk)
-                    if opt._mixed:  # the 16-bit parameters are the rounded masters
-                        views[3][...] = views[0].astype(opt.param_dtype)
-        opt._gather_params()
+                        views[kind][...] = xp.asarray(chunk)
+                    if "param" in views:  # the 16-bit parameters are the rounded masters
+                        views["param"][...] = views["master"].astype(opt.param_dtype)
+        opt.gather_params()
         apply_counters(opt, counters)
     return file
 
@@ -124,12 +131,12 @@ def _pieces_in_flat_order(layout):
 
 def _header(opt) -> bytes:
     header = {"__metadata__": {
-        "format": FORMAT, "version": VERSION, "step": str(opt.step_count),
+        "format": FORMAT, "version": VERSION, "rule": opt.rule, "step": str(opt.step_count),
         "param_dtype": opt.param_dtype.name,
         "loss_scaler": json.dumps(opt.scaler.state()),
         "param_groups": json.dumps([group_record(g) for g in opt.param_groups])}}
     offset = 0
-    for kind in KINDS:
+    for kind in kinds(opt):
         for t in opt.layout.tensors:
             header[f"{kind}/{t.name}"] = {"dtype": "F32", "shape": list(t.shape),
                                           "data_offsets": [offset, offset + 4 * t.numel]}
@@ -160,8 +167,9 @@ def _read_header(opt, file: Path):
         raise CheckpointError(f"{file} is not a zero1_mpi consolidated state file of version "
                               f"{VERSION} (metadata: {metadata.get('format')!r} version "
                               f"{metadata.get('version')!r})")
+    check_rule(opt, metadata.get("rule", "adam"), file)
     entries, data_bytes = {}, size - 8 - length
-    for kind in KINDS:
+    for kind in kinds(opt):
         for t in opt.layout.tensors:
             key = f"{kind}/{t.name}"
             info = header.get(key)

@@ -272,6 +272,30 @@ class ZeroAdam:
         self.scaler = self.scaler.update(overflow=False)
         return StepInfo(grad_norm, False, scale, clip, self.step_count)
 
+    #: The update rule, and the fp32 state it keeps per owned element besides the master
+    #: weights: what checkpoints and the consolidated export record.
+    rule = "adam"
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def shard_state(self, lo: int, hi: int, state: int) -> dict:
+        """This rank's state over the flat parameter range ``[lo, hi)``, a range it owns that
+        starts at ``state`` in its shard arrays (``layout.owned(rank)`` lists them): views by
+        name, ``"master"`` (fp32 parameters; for fp32 parameters the parameter buffer itself),
+        each of ``state_names``, and for 16-bit parameters ``"param"``. Writing into them
+        changes the optimizer; call ``gather_params()`` afterwards on all ranks."""
+        s = slice(state, state + hi - lo)
+        views = {"master": self._master[s] if self._mixed else self._params[lo:hi],
+                 "exp_avg": self._exp_avg[s], "exp_avg_sq": self._exp_avg_sq[s]}
+        if self._mixed:
+            views["param"] = self._params[lo:hi]
+        return views
+
+    def gather_params(self) -> None:
+        """All-gather every bucket of the parameters, blocking (after writing shard_state()).
+        Must be called on all ranks."""
+        for bucket in self.layout.buckets:
+            self.comm.allgather_inplace(self._params[bucket.offset:bucket.offset + bucket.size])
+
     def save(self, path, keep: int | None = None):
         """Write a sharded checkpoint under the directory ``path`` (each rank writes its own
         shard; the previous checkpoint stays loadable until this one is complete); keep the
@@ -348,11 +372,6 @@ class ZeroAdam:
         # Persistent requests hold these buffers: free them when the optimizer goes.
         weakref.finalize(self, self.comm.close, [self._params, self._grads, self._received])
         self._adam = make_adam(self.kernel, max(b.shard_size for b in layout.buckets))
-
-    def _gather_params(self) -> None:
-        """All-gather every bucket of the parameters, blocking (after a load)."""
-        for bucket in self.layout.buckets:
-            self.comm.allgather_inplace(self._params[bucket.offset:bucket.offset + bucket.size])
 
     def _views(self, flat) -> dict:
         return {t.name: flat[t.offset:t.offset + t.numel].reshape(t.shape)

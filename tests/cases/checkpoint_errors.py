@@ -63,6 +63,16 @@ def edit_manifest(root: Path, change):
     file.write_text(json.dumps(manifest))
 
 
+def set_export_rule(file: Path, rule: str):
+    data = file.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    header["__metadata__"]["rule"] = rule
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+
+
 def truncate(file: Path):
     data = file.read_bytes()
     file.write_bytes(data[:-40])
@@ -127,6 +137,8 @@ def main(directory: Path):
     case("other-names", lambda r: None, ["'b'", "'c'"], target=make({"w": (40, 30), "c": (30,)}))
     case("other-dtype", lambda r: None, ["param_dtype='bfloat16'", "'float32'"],
          target=make(dtype="float32"))
+    case("other-rule", lambda r: edit_manifest(r, lambda m: m.update(rule="sgd")),
+         ["'sgd' rule", "runs 'adam'"])
     expect_error(opt, lambda: opt.load(directory / "nothing-here"), ["no checkpoint"])
 
     # The consolidated export: truncated, or missing a tensor the optimizer has.
@@ -139,6 +151,8 @@ def main(directory: Path):
         cases += 1
 
     bad_export("short.safetensors", truncate, ["truncated"])
+    bad_export("lion.safetensors", lambda f: set_export_rule(f, "lion"),
+               ["'lion' rule", "runs 'adam'"])
     bad_export("other.safetensors", lambda f: None, ["no tensor 'master/c'"],
                target=make({"w": (40, 30), "c": (30,)}))
 
