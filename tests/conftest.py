@@ -10,16 +10,16 @@ ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = """
 import numpy as np
 from zero1_mpi.backend import PARAM_DTYPES
-from zero1_mpi.kernels import AdamScalars
-from zero1_mpi.kernels_numba import NumbaAdam
+from zero1_mpi.kernels_numba import NumbaAdam, NumbaReductions
+from zero1_mpi.rules.adam import AdamScalars
 s = AdamScalars.for_step(1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
                          decoupled=False)
-kernel = NumbaAdam()
+kernel, reductions = NumbaAdam(), NumbaReductions()
 for dtype in PARAM_DTYPES.values():
     state = [np.zeros(64, np.float32) for _ in range(3)]
     kernel(np.ones(64, dtype), *state, None if dtype == np.float32 else np.ones(64, dtype), s)
-    kernel.sum_of_squares(np.ones(64, dtype))
-    kernel.sum_blocks(np.ones((2, 64), dtype), state[0])
+    reductions.sum_of_squares(np.ones(64, dtype))
+    reductions.sum_blocks(np.ones((2, 64), dtype), state[0])
 """
 
 

@@ -15,7 +15,7 @@ from mpirun import run_mpi
 from reference import max_rel_err, max_ulp_diff
 from zero1_mpi import Communicator, ZeroAdamW
 from zero1_mpi.backend import PARAM_DTYPES
-from zero1_mpi.kernels import AdamScalars, CupyAdam, NumpyAdam
+from zero1_mpi.rules.adam import AdamScalars, CupyAdam, NumpyAdam
 
 
 def _cupy_or_reason():

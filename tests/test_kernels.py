@@ -7,11 +7,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-import zero1_mpi
-
 from reference import ReferenceAdam, max_rel_err, max_ulp_diff
 from zero1_mpi.backend import resolve_dtype
-from zero1_mpi.kernels import AdamScalars, NumpyAdam
+from zero1_mpi.reductions import NumpyReductions
+from zero1_mpi.rules.adam import AdamScalars, NumpyAdam
 
 SIZE = 1000
 
@@ -154,31 +153,29 @@ def test_numba_sums_of_blocks_and_squares(dtype, numba_kernels):
     rng = np.random.default_rng(1)
     blocks = (rng.standard_normal((3, 10_001)) * 4).astype(resolve_dtype(dtype))
     want, got = np.empty(10_001, np.float32), np.empty(10_001, np.float32)
-    NumpyAdam.sum_blocks(blocks, want)
-    numba_kernels.NumbaAdam().sum_blocks(blocks, got)
+    NumpyReductions().sum_blocks(blocks, want)
+    numba_kernels.NumbaReductions().sum_blocks(blocks, got)
     assert np.array_equal(want, got)  # the same fp32 additions in the same order
-    kernel = numba_kernels.NumbaAdam()
+    kernel = numba_kernels.NumbaReductions()
     exact = float(np.sum(np.asarray(blocks[0], np.float64) ** 2))
     assert kernel.sum_of_squares(blocks[0]) == pytest.approx(exact, rel=1e-6)
-    assert kernel.sum_of_squares(got) == pytest.approx(NumpyAdam().sum_of_squares(got),
+    assert kernel.sum_of_squares(got) == pytest.approx(NumpyReductions().sum_of_squares(got),
                                                        rel=1e-6)
     assert np.isnan(kernel.sum_of_squares(np.array([1.0, np.nan], np.float32)))
 
 
 def test_kernel_choice(monkeypatch):
-    from zero1_mpi.kernels import KERNEL_ENV, resolve_cpu_kernel
+    from zero1_mpi.reductions import KERNEL_ENV, resolve_cpu_kernel
     assert resolve_cpu_kernel({KERNEL_ENV: "numpy"}) == "numpy"
     with pytest.raises(ValueError, match=f"{KERNEL_ENV}='fast'"):
         resolve_cpu_kernel({KERNEL_ENV: "fast"})
-    # As if Numba were missing: the module cannot be imported (nor found on the package).
-    monkeypatch.setitem(sys.modules, "zero1_mpi.kernels_numba", None)
-    monkeypatch.delattr(zero1_mpi, "kernels_numba", raising=False)
+    monkeypatch.setitem(sys.modules, "numba", None)  # as if Numba were missing
     assert resolve_cpu_kernel({}) == "numpy"
     with pytest.raises(ImportError, match=r"zero1-mpi\[fast\]"):
         resolve_cpu_kernel({KERNEL_ENV: "numba"})
 
 
 def test_kernel_choice_with_numba(numba_kernels):
-    from zero1_mpi.kernels import KERNEL_ENV, resolve_cpu_kernel
+    from zero1_mpi.reductions import KERNEL_ENV, resolve_cpu_kernel
     assert resolve_cpu_kernel({KERNEL_ENV: "numba"}) == "numba"
     assert resolve_cpu_kernel({}) == "numba"  # auto: Numba where it imports

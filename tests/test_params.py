@@ -5,8 +5,10 @@ import pytest
 
 from zero1_mpi import decay_groups
 from zero1_mpi.params import normalize_groups
+from zero1_mpi.rules.adam import Adam
 
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+ADAM = Adam(decoupled=False)
 
 
 def arrays():
@@ -15,7 +17,7 @@ def arrays():
 
 
 def test_a_mapping_is_one_group_with_the_defaults():
-    groups, flat = normalize_groups(arrays(), DEFAULTS)
+    groups, flat = normalize_groups(arrays(), DEFAULTS, ADAM)
     assert groups == [{"names": ("w", "b", "gain"), **DEFAULTS}]
     assert list(flat) == ["w", "b", "gain"]
 
@@ -24,7 +26,7 @@ def test_groups_take_their_own_options_and_keep_order():
     a = arrays()
     groups, flat = normalize_groups([{"params": {"b": a["b"]}, "lr": 0.5},
                                      {"params": {"w": a["w"], "gain": a["gain"]},
-                                      "betas": [0.8, 0.9], "weight_decay": 0.1}], DEFAULTS)
+                                      "betas": [0.8, 0.9], "weight_decay": 0.1}], DEFAULTS, ADAM)
     assert list(flat) == ["b", "w", "gain"]
     assert groups[0] == {"names": ("b",), **DEFAULTS, "lr": 0.5}
     assert groups[1]["betas"] == (0.8, 0.9) and groups[1]["weight_decay"] == 0.1
@@ -51,5 +53,5 @@ def test_decay_groups_exempt_vectors_and_scalars():
 ])
 def test_bad_groups_name_the_problem(params, exc, words):
     with pytest.raises(exc) as info:
-        normalize_groups(params, DEFAULTS)
+        normalize_groups(params, DEFAULTS, ADAM)
     assert words in str(info.value)

@@ -68,7 +68,8 @@ def worker(args) -> dict:
 
     from zero1_mpi import ZeroAdamW
     from zero1_mpi.backend import resolve_dtype
-    from zero1_mpi.kernels import AdamScalars, make_adam, resolve_cpu_kernel
+    from zero1_mpi.reductions import resolve_cpu_kernel
+    from zero1_mpi.rules.adam import Adam, AdamScalars
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -124,7 +125,7 @@ def worker(args) -> dict:
     master = np.concatenate([v.reshape(-1) for v in init.values()]).astype(np.float32)
     m, v = np.zeros(psi, np.float32), np.zeros(psi, np.float32)
     params16 = master.astype(dtype) if dtype != np.float32 else None
-    kernel = make_adam(resolve_cpu_kernel(), psi)
+    kernel = Adam.kernel(resolve_cpu_kernel(), psi)
     scalars = AdamScalars.for_step(1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
                                    weight_decay=1e-2, decoupled=True, grad_scale=1.0 / size)
 
@@ -200,7 +201,8 @@ def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
     """Elements per second of each kernel on a shard of ``n`` elements, every rank at once,
     and the ceiling it is bound by, in the same conditions: an in-place read-write stream
     (``a += b``, read a and b, write a) over as many fp32 bytes as the kernel's four arrays."""
-    from zero1_mpi.kernels import AdamScalars, make_adam, resolve_cpu_kernel
+    from zero1_mpi.reductions import resolve_cpu_kernel
+    from zero1_mpi.rules.adam import Adam, AdamScalars
 
     def best(fn, repeat=5):
         fn()
@@ -229,7 +231,7 @@ def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
     out = {"stream_GBps": stream_gbs, "bytes_per_element": bytes_per_element}
     kernels = ["numpy"] + (["numba"] if resolve_cpu_kernel() == "numba" else [])
     for name in kernels:
-        kernel = make_adam(name, n)
+        kernel = Adam.kernel(name, n)
         for label, grad_in in inputs.items():
             rate = n / best(lambda: kernel(grad_in, master, m, v, param, s))
             out[f"zero1_{name}{label}"] = {"Gelem_per_s": rate / 1e9,

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from zero1_mpi import Communicator
 from zero1_mpi.backend import BFLOAT16
-from zero1_mpi.kernels import AdamScalars, CupyAdam
+from zero1_mpi.rules.adam import AdamScalars, CupyAdam
 from zero1_mpi.memory import parse_param_count
 
 

@@ -9,10 +9,11 @@ from .checkpoint import CheckpointError
 from .comm import CollectiveError, Communicator
 from .layout import Layout, build_layout
 from .memory import MemoryReport
-from .optimizer import StepInfo, ZeroAdam, ZeroAdamW
+from .engine import ShardedOptimizer, StepInfo
+from .optimizer import ZeroAdam, ZeroAdamW
 from .params import decay_groups
 from .scaler import LossScaler
 
-__all__ = ["ZeroAdam", "ZeroAdamW", "StepInfo", "LossScaler", "decay_groups", "MemoryReport",
-           "Communicator", "CollectiveError", "CheckpointError", "Layout", "build_layout"]
+__all__ = ["ZeroAdam", "ZeroAdamW", "ShardedOptimizer", "StepInfo", "LossScaler", "decay_groups",
+           "MemoryReport", "Communicator", "CollectiveError", "CheckpointError", "Layout", "build_layout"]
 __version__ = "0.1.0"

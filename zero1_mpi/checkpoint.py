@@ -88,7 +88,8 @@ def save(opt, path, keep: int | None = None) -> Path:
 def rows(opt) -> list[str]:
     """The rows of a shard file, in order: the master weights, the rule's state, and for
     16-bit parameters the parameters (as exact fp32 values)."""
-    return ["master", *opt.state_names] + (["param"] if opt.param_dtype.itemsize < 4 else [])
+    mixed = opt.param_dtype.itemsize < 4
+    return ["master", *opt.rule.state_names] + (["param"] if mixed else [])
 
 
 def row_views(opt, lo: int, hi: int, state: int) -> list:
@@ -100,10 +101,10 @@ def row_views(opt, lo: int, hi: int, state: int) -> list:
 
 def check_rule(opt, saved_rule, where) -> None:
     """A checkpoint holds the state of one update rule: only that rule can load it."""
-    if saved_rule != opt.rule:
+    if saved_rule != opt.rule.name:
         raise CheckpointError(f"{where} holds the state of the {saved_rule!r} rule, but the "
-                              f"optimizer runs {opt.rule!r}: load it into an optimizer of the "
-                              "rule that saved it")
+                              f"optimizer runs {opt.rule.name!r}: load it into an optimizer of "
+                              "the rule that saved it")
 
 
 def _write_shard(opt, file: Path) -> dict:
@@ -137,10 +138,10 @@ def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
         "fingerprint": fingerprint(opt),
         "world_size": opt.world_size, "step": opt.step_count,
         "param_dtype": opt.param_dtype.name, "numel": opt.layout.numel,
-        "rule": opt.rule, "rows": rows(opt),
+        "rule": opt.rule.name, "rows": rows(opt),
         "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
                     for t in opt.layout.tensors],
-        "param_groups": [group_record(g) for g in opt.param_groups],
+        "param_groups": [group_record(g, opt.rule) for g in opt.param_groups],
         "decoupled_weight_decay": opt.decoupled_weight_decay,
         "max_grad_norm": opt.max_grad_norm, "loss_scaler": opt.scaler.state(),
         "files": infos,
@@ -203,7 +204,7 @@ def load(opt, path) -> Path:
         ckpt = resolve(Path(path))
         manifest = read_manifest(ckpt)
         check_compatible(opt, manifest, ckpt)
-        counters = read_counters(manifest, opt.param_groups, ckpt / MANIFEST)
+        counters = read_counters(manifest, opt.param_groups, opt.rule, ckpt / MANIFEST)
         if manifest.get("fingerprint") != fingerprint(opt):
             raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the "
                                   "optimizer's")
@@ -239,7 +240,7 @@ def load(opt, path) -> Path:
     return ckpt
 
 
-def read_counters(manifest: dict, groups: list, where) -> tuple:
+def read_counters(manifest: dict, groups: list, rule, where) -> tuple:
     """``(step, loss scaler, group options)`` of a checkpoint, checked before anything
     changes."""
     step = manifest.get("step")
@@ -247,7 +248,7 @@ def read_counters(manifest: dict, groups: list, where) -> tuple:
         raise CheckpointError(f"{where}: step={step!r} is not a step count")
     try:
         scaler = LossScaler.from_state(manifest["loss_scaler"])
-        options = restore_options(groups, manifest["param_groups"])
+        options = restore_options(groups, manifest["param_groups"], rule)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: {exc}") from None
     return step, scaler, options

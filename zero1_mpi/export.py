@@ -3,8 +3,8 @@
 The file is in the safetensors format: an 8-byte little-endian header length, a JSON header
 giving each tensor's dtype, shape and byte range, then the raw little-endian data. It holds
 ``master/<name>`` and one ``<state>/<name>`` per state array of the update rule (Adam:
-``exp_avg``, ``exp_avg_sq``) in float32, and, in ``__metadata__``, the rule, step, loss-scaler
-state and param groups. ``safetensors.numpy.load_file``
+``exp_avg``, ``exp_avg_sq``) in float32, and, in ``__metadata__``, the rule, step,
+loss-scaler state and param groups. ``safetensors.numpy.load_file``
 or a few lines of NumPy read it. Both directions stream: rank 0 writes pieces that the owning
 ranks send it in bounded chunks, and each rank reads only the slices it owns, so no rank ever
 holds the full state. The file appears by an atomic rename once complete. Both functions must
@@ -32,7 +32,7 @@ VERSION = "1"
 
 def kinds(opt) -> tuple[str, ...]:
     """What the file holds per tensor: the master weights and the rule's state."""
-    return ("master", *opt.state_names)
+    return ("master", *opt.rule.state_names)
 
 
 def save_consolidated(opt, path) -> Path:
@@ -87,9 +87,9 @@ def load_consolidated(opt, path) -> Path:
     try:
         entries, data_start, metadata = _read_header(opt, file)
         counters = read_counters({"step": _int(metadata.get("step")),
-                              "loss_scaler": json.loads(metadata["loss_scaler"]),
-                              "param_groups": json.loads(metadata["param_groups"])},
-                             opt.param_groups, file)
+                                  "loss_scaler": json.loads(metadata["loss_scaler"]),
+                                  "param_groups": json.loads(metadata["param_groups"])},
+                                 opt.param_groups, opt.rule, file)
     except CheckpointError as exc:
         error = exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -131,10 +131,11 @@ def _pieces_in_flat_order(layout):
 
 def _header(opt) -> bytes:
     header = {"__metadata__": {
-        "format": FORMAT, "version": VERSION, "rule": opt.rule, "step": str(opt.step_count),
+        "format": FORMAT, "version": VERSION, "rule": opt.rule.name,
+        "step": str(opt.step_count),
         "param_dtype": opt.param_dtype.name,
         "loss_scaler": json.dumps(opt.scaler.state()),
-        "param_groups": json.dumps([group_record(g) for g in opt.param_groups])}}
+        "param_groups": json.dumps([group_record(g, opt.rule) for g in opt.param_groups])}}
     offset = 0
     for kind in kinds(opt):
         for t in opt.layout.tensors:

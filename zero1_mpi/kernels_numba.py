@@ -1,6 +1,7 @@
-"""The fused Adam update compiled with Numba: the CPU fast path, bitwise equal to the NumPy twin.
+"""Compiled CPU kernels (Numba): the rules' updates and the engine's reductions, bitwise equal
+to their NumPy twins (``rules.adam.NumpyAdam``, ``reductions.NumpyReductions``).
 
-Optional (``pip install zero1-mpi[fast]``); ``kernels.make_adam`` uses it when Numba imports.
+Optional (``pip install zero1-mpi[fast]``); used when Numba imports (``ZERO1_MPI_KERNEL``).
 One pass over each cache-sized chunk does everything the NumPy twin does in ~14 ufunc passes,
 with the same float32 operations in the same order (no fused multiply-add, no fast-math), so
 the results are bit for bit those of ``kernels.NumpyAdam``. Numba has no CPU float16 type, so
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import NUMPY_CHUNK, AdamScalars, sum_of_squares
+from .reductions import NUMPY_CHUNK, sum_of_squares
 
 FP32, BF16, FP16 = 0, 1, 2  # how a gradient or parameter array is encoded
 _FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
@@ -140,18 +141,16 @@ def _encoding(array) -> int:
 
 
 class NumbaAdam:
-    """The compiled twin of ``kernels.NumpyAdam``: same interface, same bits."""
+    """The compiled twin of ``rules.adam.NumpyAdam``: same interface, same bits."""
 
     def __init__(self, chunk: int = CHUNK):
         self._scratch = np.empty(max(1, min(chunk, CHUNK)), np.float32)
-        # The sum of squares goes through BLAS (a compiled loop cannot reorder float sums).
-        self._sum_scratch = np.empty(max(1, min(chunk, NUMPY_CHUNK)), np.float32)
 
     @property
     def scratch_bytes(self) -> int:
-        return self._scratch.nbytes + self._sum_scratch.nbytes
+        return self._scratch.nbytes
 
-    def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
+    def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s) -> None:
         f = np.float32
         grad32, grad16, kind = _split(grad)
         param16 = _NO_U16 if param is None else param.view(np.uint16)
@@ -160,6 +159,19 @@ class NumbaAdam:
               _FP16_TABLE, self._scratch, f(s.grad_scale), f(s.beta2), f(s.one_minus_beta1),
               f(s.one_minus_beta2), f(s.eps), f(s.l2), f(s.decay), f(-s.step_size),
               f(s.bc2_sqrt))
+
+
+class NumbaReductions:
+    """The compiled twin of ``reductions.NumpyReductions``: same interface, same bits."""
+
+    def __init__(self, chunk: int = NUMPY_CHUNK):
+        self._scratch = np.empty(max(1, min(chunk, CHUNK)), np.float32)
+        # The sum of squares goes through BLAS (a compiled loop cannot reorder float sums).
+        self._sum_scratch = np.empty(max(1, min(chunk, NUMPY_CHUNK)), np.float32)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._scratch.nbytes + self._sum_scratch.nbytes
 
     def sum_of_squares(self, x) -> float:
         return sum_of_squares(x, self._sum_scratch)

@@ -5,8 +5,9 @@ ValueError with a message that names the value and the fix. The optimizer runs t
 rank and turns any failure into the same error everywhere before the first collective.
 
 ``params`` is either a mapping name -> array (one group) or a list of group dicts
-``{"params": {name: array}, "lr": ..., "betas": ..., "eps": ..., "weight_decay": ...}`` as in
-``torch.optim``; options missing from a group take the optimizer's defaults.
+``{"params": {name: array}, "lr": ..., ...}`` as in ``torch.optim``, with the options of the
+update rule (``rule.options``, checked by ``rule.check_options``); options missing from a group
+take the optimizer's defaults.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import numpy as np
 
 from . import backend
 
-GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay")
 REDUCE_DTYPES = ("float32", "float16")
 
 
-def normalize_groups(params, defaults: dict) -> tuple[list[dict], dict]:
-    """``(groups, arrays)``: groups as ``{"names": (...), lr, betas, eps, weight_decay}`` in
-    order, and all arrays by name in that same order."""
+def normalize_groups(params, defaults: dict, rule) -> tuple[list[dict], dict]:
+    """``(groups, arrays)``: groups as ``{"names": (...), <the rule's options>}`` in order, and
+    all arrays by name in that same order."""
     if isinstance(params, Mapping):
         raw = [{"params": params}]
     elif isinstance(params, (list, tuple)) and params and all(isinstance(g, Mapping)
@@ -38,10 +38,10 @@ def normalize_groups(params, defaults: dict) -> tuple[list[dict], dict]:
     groups, arrays = [], {}
     for index, group in enumerate(raw):
         where = "params" if isinstance(params, Mapping) else f"params[{index}]"
-        unknown = sorted(set(group) - {"params", *GROUP_OPTIONS})
+        unknown = sorted(set(group) - {"params", *rule.options})
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}: a group may set 'params' "
-                             f"and {', '.join(GROUP_OPTIONS)}")
+                             f"and {', '.join(rule.options)}")
         members = group.get("params")
         if not isinstance(members, Mapping):
             raise TypeError(f"{where}['params'] must be a mapping of name -> array, got "
@@ -51,25 +51,26 @@ def normalize_groups(params, defaults: dict) -> tuple[list[dict], dict]:
                 raise ValueError(f"parameter {name!r} appears in more than one group: put "
                                  "each parameter in exactly one")
             arrays[name] = array
-        options = {key: group.get(key, defaults[key]) for key in GROUP_OPTIONS}
-        groups.append({"names": tuple(members), **check_hyperparameters(**options)})
+        options = {key: group.get(key, defaults[key]) for key in rule.options}
+        groups.append({"names": tuple(members), **rule.check_options(**options)})
     if not arrays:
         raise ValueError("params is empty: pass at least one named array")
     return groups, arrays
 
 
-def group_record(group: dict) -> dict:
-    """A param group as plain JSON values: its names and its (checked) Adam options."""
-    options = check_hyperparameters(**{key: group[key] for key in GROUP_OPTIONS})
-    return {"names": list(group["names"]), **options, "betas": list(options["betas"])}
+def group_record(group: dict, rule) -> dict:
+    """A param group as plain JSON values: its names and its (checked) options."""
+    options = rule.check_options(**{key: group[key] for key in rule.options})
+    return {"names": list(group["names"]),
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
 
 
-def restore_options(groups: list[dict], records: list[dict]) -> list[dict]:
+def restore_options(groups: list[dict], records: list[dict], rule) -> list[dict]:
     """The checked options of saved ``records`` for ``groups`` (same names), to apply later."""
     if [list(g["names"]) for g in groups] != [list(r["names"]) for r in records]:
         raise ValueError(f"the saved param groups ({[len(r['names']) for r in records]} tensors "
                          "per group) differ from the optimizer's: build it with the same groups")
-    return [check_hyperparameters(**{key: r[key] for key in GROUP_OPTIONS}) for r in records]
+    return [rule.check_options(**{key: r[key] for key in rule.options}) for r in records]
 
 
 def decay_groups(params: Mapping, weight_decay: float = 1e-2, no_decay=None) -> list[dict]:
@@ -125,33 +126,6 @@ def check_arrays(arrays: Mapping, param_dtype) -> tuple[np.dtype, str]:
                              f"({limit:g}): scale the initial values or choose a wider "
                              "param_dtype")
     return dtype, backends.pop()
-
-
-def check_hyperparameters(lr, betas, eps, weight_decay) -> dict:
-    """The four Adam options as floats, or a ValueError naming the bad one."""
-    def number(value, name):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-                or not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number")
-        return float(value)
-
-    lr, eps = number(lr, "lr"), number(eps, "eps")
-    weight_decay = number(weight_decay, "weight_decay")
-    if lr < 0:
-        raise ValueError(f"lr={lr!r} must be >= 0")
-    if eps < 0:
-        raise ValueError(f"eps={eps!r} must be >= 0 (torch's default is 1e-8)")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas={betas!r} must be a pair such as (0.9, 0.999)") from None
-    beta1, beta2 = number(beta1, "betas[0]"), number(beta2, "betas[1]")
-    for i, beta in enumerate((beta1, beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"betas[{i}]={beta!r} must be in [0, 1)")
-    return {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
 
 
 def check_reduce_dtype(reduce_dtype, dtype: np.dtype) -> str:

@@ -1,29 +1,88 @@
-"""The fused Adam/AdamW update of one shard, as a CuPy kernel and its NumPy twin.
+"""Adam and AdamW as an update rule: ``torch.optim.Adam`` / ``AdamW`` on one shard.
 
-Both twins take the gradient in any supported dtype (it is multiplied by ``grad_scale`` first,
-which turns a sum over ranks into a mean), update the fp32 ``master``, ``exp_avg`` and
-``exp_avg_sq`` in place, and write the new value, rounded to the parameter dtype, into
-``param`` when the parameters are 16-bit. For fp32 parameters ``master`` *is* the parameter
-shard and ``param`` is None. The rule is ``torch.optim.Adam`` / ``AdamW``: bias correction,
-eps outside the square root, L2 (Adam) or decoupled (AdamW) weight decay. Bias corrections
-and the other step-dependent factors are host scalars computed once per step by
-``AdamScalars.for_step``.
+The rule (see ``zero1_mpi.rules``) keeps ``exp_avg`` and ``exp_avg_sq``; its param-group
+options are ``lr``, ``betas``, ``eps`` and ``weight_decay``; bias corrections and the other
+step-dependent factors are host scalars computed once per step (``AdamScalars.for_step``).
+Its fused update has three twins, called as ``kernel(grad, master, exp_avg, exp_avg_sq, param,
+scalars)``: the NumPy one here (in place, chunked), the Numba one in ``kernels_numba`` (the same
+bits) and a CuPy ``ElementwiseKernel`` here. Each takes the gradient in any supported dtype (it
+is multiplied by ``grad_scale`` first, which turns a sum over ranks into a mean), updates the
+fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` in place, and writes the new value, rounded to
+the parameter dtype, into ``param`` when the parameters are 16-bit. For fp32 parameters
+``master`` *is* the parameter shard and ``param`` is None. Eps is outside the square root; weight
+decay is L2 (Adam) or decoupled (AdamW).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import backend
+from .. import backend
+from ..reductions import NUMPY_CHUNK
 
-#: Elements per NumPy chunk: the fp32 scratch (2 x 256 KiB) stays in cache.
-NUMPY_CHUNK = 1 << 16
-#: Which CPU kernel to use: "auto" (Numba where it imports, else NumPy), "numba" or "numpy".
-KERNEL_ENV = "ZERO1_MPI_KERNEL"
+
+def check_options(lr, betas, eps, weight_decay) -> dict:
+    """The four Adam options as floats, or a ValueError naming the bad one."""
+    def number(value, name):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+                or not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} must be a finite number")
+        return float(value)
+
+    lr, eps = number(lr, "lr"), number(eps, "eps")
+    weight_decay = number(weight_decay, "weight_decay")
+    if lr < 0:
+        raise ValueError(f"lr={lr!r} must be >= 0")
+    if eps < 0:
+        raise ValueError(f"eps={eps!r} must be >= 0 (torch's default is 1e-8)")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas={betas!r} must be a pair such as (0.9, 0.999)") from None
+    beta1, beta2 = number(beta1, "betas[0]"), number(beta2, "betas[1]")
+    for i, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"betas[{i}]={beta!r} must be in [0, 1)")
+    return {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
+
+
+class Adam:
+    """The rule object the engine drives (``decoupled``: AdamW's weight decay)."""
+
+    name = "adam"
+    state_names = ("exp_avg", "exp_avg_sq")
+    options = ("lr", "betas", "eps", "weight_decay")
+
+    def __init__(self, decoupled: bool):
+        self.decoupled = decoupled
+
+    def settings(self) -> dict:
+        """What every rank's rule must share, beside the param groups' options (checked)."""
+        if not isinstance(self.decoupled, bool):
+            raise TypeError(f"decoupled_weight_decay={self.decoupled!r} must be True or False")
+        return {"rule": self.name, "decoupled_weight_decay": self.decoupled}
+
+    check_options = staticmethod(check_options)  # the group options, normalized or a ValueError
+
+    def scalars(self, step: int, options: dict, grad_scale: float) -> AdamScalars:
+        return AdamScalars.for_step(step, **options, decoupled=self.decoupled,
+                                    grad_scale=grad_scale)
+
+    @staticmethod
+    def kernel(kind: str, largest: int = NUMPY_CHUNK):
+        """The fused update for ``kind`` (``"cupy"``, ``"numba"`` or ``"numpy"``); ``largest``
+        is the most elements one call will see (it caps the CPU scratch)."""
+        if kind == "cupy":
+            return CupyAdam()
+        if kind == "numba":
+            from ..kernels_numba import NumbaAdam
+            return NumbaAdam(largest)
+        return NumpyAdam(min(NUMPY_CHUNK, largest))
 
 
 @dataclass(frozen=True)
@@ -52,26 +111,6 @@ class AdamScalars:
                    bc2_sqrt=math.sqrt(1.0 - beta2 ** step))
 
 
-def sum_of_squares(x, scratch) -> float:
-    """Sum of ``x**2``: BLAS dot products over chunks (16-bit ones widened into the fp32
-    ``scratch`` first), accumulated in float64; inf and nan propagate."""
-    total = 0.0
-    for start in range(0, x.size, scratch.size):
-        chunk = x[start:start + scratch.size]
-        if chunk.dtype != np.float32:
-            chunk = scratch[:chunk.size]
-            np.copyto(chunk, x[start:start + scratch.size], casting="unsafe")
-        total += float(np.dot(chunk, chunk))
-    return total
-
-
-def add_blocks(blocks, out, xp=np) -> None:
-    """``out`` (fp32) = the rows of ``blocks`` summed in fp32, in row order."""
-    out[...] = blocks[0]
-    for block in blocks[1:]:
-        xp.add(out, block, out=out, dtype=np.float32)
-
-
 class NumpyAdam:
     """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
 
@@ -83,11 +122,6 @@ class NumpyAdam:
     @property
     def scratch_bytes(self) -> int:
         return self._g.nbytes + self._t.nbytes
-
-    def sum_of_squares(self, x) -> float:
-        return sum_of_squares(x, self._g)
-
-    sum_blocks = staticmethod(add_blocks)
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         for start in range(0, master.size, self.chunk):
@@ -153,27 +187,10 @@ def _cuda_kernel(kind: str):
     return _cuda_kernels[kind]
 
 
-_sum_of_squares_kernel = None
-
-
 class CupyAdam:
     """The CuPy twin: one fused kernel launch per shard range, queued on the current stream."""
 
     scratch_bytes = 0
-
-    def sum_of_squares(self, x):
-        """Sum of ``x**2`` accumulated in float64, as a 0-d device array (no host sync)."""
-        global _sum_of_squares_kernel
-        if _sum_of_squares_kernel is None:
-            cupy = backend.xp_for("cupy")
-            _sum_of_squares_kernel = cupy.ReductionKernel(
-                "T x", "float64 total", "(double)(float)x * (double)(float)x", "a + b",
-                "total = a", "0", "zero1_sum_of_squares")
-        return _sum_of_squares_kernel(x)
-
-    @staticmethod
-    def sum_blocks(blocks, out) -> None:
-        add_blocks(blocks, out, backend.xp_for("cupy"))
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         scalars = tuple(np.float32(x) for x in (
@@ -184,31 +201,3 @@ class CupyAdam:
             _cuda_kernel("fp32")(*args, master, exp_avg, exp_avg_sq)
         else:
             _cuda_kernel("mixed")(*args, master, exp_avg, exp_avg_sq, param)
-
-
-def resolve_cpu_kernel(environ=None) -> str:
-    """``"numba"`` or ``"numpy"``, as ``ZERO1_MPI_KERNEL`` asks (default: Numba if it imports)."""
-    choice = (os.environ if environ is None else environ).get(KERNEL_ENV, "auto").strip().lower()
-    if choice not in ("auto", "numba", "numpy"):
-        raise ValueError(f"{KERNEL_ENV}={choice!r} is not understood: use auto, numba or numpy")
-    if choice == "numpy":
-        return "numpy"
-    try:
-        from . import kernels_numba  # noqa: F401
-    except ImportError:
-        if choice == "numba":
-            raise ImportError(f"{KERNEL_ENV}=numba but Numba does not import: "
-                              "pip install 'zero1-mpi[fast]'") from None
-        return "numpy"
-    return "numba"
-
-
-def make_adam(kernel: str, largest: int = NUMPY_CHUNK):
-    """The fused update: ``kernel`` is ``"cupy"``, ``"numba"`` or ``"numpy"``; ``largest`` is
-    the most elements one call will see (it caps the CPU scratch)."""
-    if kernel == "cupy":
-        return CupyAdam()
-    if kernel == "numba":
-        from .kernels_numba import NumbaAdam
-        return NumbaAdam(largest)
-    return NumpyAdam(min(NUMPY_CHUNK, largest))
