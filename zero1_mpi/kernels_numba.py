@@ -4,7 +4,7 @@ to their NumPy twins (``rules.adam.NumpyAdam``, ``reductions.NumpyReductions``).
 Optional (``pip install zero1-mpi[fast]``); used when Numba imports (``ZERO1_MPI_KERNEL``).
 One pass over each cache-sized chunk does everything the NumPy twin does in ~14 ufunc passes,
 with the same float32 operations in the same order (no fused multiply-add, no fast-math), so
-the results are bit for bit those of ``kernels.NumpyAdam``. Numba has no CPU float16 type, so
+the results are bit for bit those of the NumPy twins. Numba has no CPU float16 type, so
 16-bit values travel as ``uint16`` bit patterns: bf16 widens by a shift and rounds to nearest
 even on the way back; fp16 widens through a 65536-entry table and rounds with integer
 arithmetic, subnormals and overflow included.
