@@ -46,6 +46,43 @@ class ReferenceAdam:
         return norm
 
 
+class ReferenceSGD:
+    """``torch.optim.SGD`` in float64 from its documentation: ``g += wd * p``; with momentum,
+    ``b = g`` on the first step, ``b = momentum * b + (1 - dampening) * g`` after, and the
+    direction ``g + momentum * b`` (Nesterov) or ``b``; ``p -= lr * direction``."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, groups=None, max_grad_norm=None):
+        self.params = {k: np.array(v, dtype=np.float64) for k, v in params.items()}
+        self.buf = {}
+        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening,
+                    "weight_decay": weight_decay, "nesterov": nesterov}
+        self.groups = [{**defaults, **g} for g in (groups or [{"names": list(params)}])]
+        self.max_grad_norm = max_grad_norm
+
+    def step(self, grads) -> float:
+        grads = {k: np.asarray(g, dtype=np.float64) for k, g in grads.items()}
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        if self.max_grad_norm is not None:
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            grads = {k: g * coef for k, g in grads.items()}
+        for group in self.groups:
+            for k in group["names"]:
+                p, g = self.params[k], grads[k]
+                if group["weight_decay"]:
+                    g = g + group["weight_decay"] * p
+                if group["momentum"]:
+                    if k not in self.buf:
+                        self.buf[k] = g.copy()
+                    else:
+                        self.buf[k] = group["momentum"] * self.buf[k] \
+                            + (1 - group["dampening"]) * g
+                    g = g + group["momentum"] * self.buf[k] if group["nesterov"] \
+                        else self.buf[k]
+                p -= group["lr"] * g
+        return norm
+
+
 def ordered_bits(a: np.ndarray) -> np.ndarray:
     """16-bit floats as integers whose difference counts units in the last place."""
     bits = a.view(np.uint16).astype(np.int64)

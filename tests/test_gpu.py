@@ -113,3 +113,28 @@ def test_device_memory_is_measured_and_follows_the_formula():
         assert abs(held - report.total) <= slack, (held, report.total)
     grown = measured[1][0] - measured[0][0]
     assert abs(grown - 16 * 2_000_000) <= slack, grown
+
+
+@pytest.mark.parametrize("dtype_name", list(PARAM_DTYPES))
+@pytest.mark.parametrize("options", [
+    {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "nesterov": False},
+    {"momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": True},
+    {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.01, "nesterov": False}])
+def test_cupy_sgd_kernel_matches_numpy_twin(dtype_name, options):
+    from zero1_mpi.rules.sgd import SGD, CupySGD, NumpySGD
+    dtype = PARAM_DTYPES[dtype_name]
+    n, has_buffer = 100_003, options["momentum"] != 0
+    rng = np.random.default_rng(2)
+    host = {"master": rng.standard_normal(n).astype(np.float32), "buf": np.zeros(n, np.float32)}
+    host["param"] = host["master"].astype(dtype) if dtype != np.float32 else None
+    dev = {k: None if a is None else cupy.asarray(a) for k, a in host.items()}
+    for step in range(1, 11):
+        grad = rng.standard_normal(n).astype(dtype)
+        s = SGD.scalars(step, {"lr": 1e-2, **options}, 0.5)
+        for kernel, arrays, g in ((NumpySGD(has_buffer), host, grad),
+                                  (CupySGD(has_buffer), dev, cupy.asarray(grad))):
+            states = (arrays["buf"],) if has_buffer else ()
+            kernel(g, arrays["master"], *states, arrays["param"], s)
+    assert max_rel_err(dev["master"].get(), host["master"]) <= 1e-6
+    if dtype != np.float32:
+        assert max_ulp_diff(dev["param"].get(), host["param"]) <= 1

@@ -142,7 +142,7 @@ def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
         "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
                     for t in opt.layout.tensors],
         "param_groups": [group_record(g, opt.rule) for g in opt.param_groups],
-        "decoupled_weight_decay": opt.decoupled_weight_decay,
+        "rule_settings": opt.rule.settings(),
         "max_grad_norm": opt.max_grad_norm, "loss_scaler": opt.scaler.state(),
         "files": infos,
     }

@@ -369,6 +369,7 @@ class ShardedOptimizer:
         for bucket in layout.buckets:
             span = slice(bucket.offset, bucket.offset + bucket.size)
             target = staging[:bucket.size] if self._mixed else self._params[span]
+            target[bucket.used:] = 0  # the padding (the reused staging held the last bucket)
             if self.rank == 0:
                 for t, lo, hi in layout.pieces(bucket.offset, bucket.offset + bucket.size):
                     values = xp.asarray(arrays[t.name]).reshape(-1)

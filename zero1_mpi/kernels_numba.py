@@ -115,6 +115,47 @@ def _adam(grad32, grad16, grad_kind, master, m, v, param16, param_kind, table, s
             _narrow_f16(master[start:stop], param16[start:stop])
 
 
+@njit(cache=True, error_model="numpy", nogil=True, inline="never")
+def _sgd_update(grad, master, buf, grad_scale, weight_decay, momentum, omd, nesterov, first,
+                neg_lr):
+    """SGD over one chunk: ``rules.sgd.NumpySGD``'s operations in its order."""
+    for i in range(master.size):
+        g = grad[i] * grad_scale                         # mean gradient
+        p = master[i]
+        if weight_decay != 0:
+            g = g + p * weight_decay                     # L2 weight decay
+        if momentum != 0:
+            if first:
+                b = g                                    # the buffer starts as g
+            else:
+                b = buf[i] * momentum + g * omd          # b = m b + (1 - d) g
+            buf[i] = b
+            if nesterov:
+                g = g + b * momentum                     # Nesterov: g + m b
+            else:
+                g = b
+        master[i] = p + g * neg_lr                       # p -= lr g
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _sgd(grad32, grad16, grad_kind, master, buf, param16, param_kind, table, scratch,
+         grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr):
+    n = master.size
+    for start in range(0, n, scratch.size):
+        stop = min(n, start + scratch.size)
+        if grad_kind == FP32:
+            grad = grad32[start:stop]
+        else:
+            grad = scratch[:stop - start]
+            _widen(grad16[start:stop], grad_kind, table, grad)
+        _sgd_update(grad, master[start:stop], buf[start:stop],
+                    grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr)
+        if param_kind == BF16:
+            _narrow_bf16(master[start:stop], param16[start:stop])
+        elif param_kind == FP16:
+            _narrow_f16(master[start:stop], param16[start:stop])
+
+
 @njit(cache=True, error_model="numpy", nogil=True)
 def _sum_blocks(blocks, kind, table, scratch, out):
     """``out`` = the rows of ``blocks`` (16-bit patterns) widened and summed in fp32, in row
@@ -159,6 +200,30 @@ class NumbaAdam:
               _FP16_TABLE, self._scratch, f(s.grad_scale), f(s.beta2), f(s.one_minus_beta1),
               f(s.one_minus_beta2), f(s.eps), f(s.l2), f(s.decay), f(-s.step_size),
               f(s.bc2_sqrt))
+
+
+class NumbaSGD:
+    """The compiled twin of ``rules.sgd.NumpySGD``: same interface, same bits."""
+
+    def __init__(self, has_buffer: bool, chunk: int = CHUNK):
+        self.has_buffer = has_buffer
+        self._scratch = np.empty(max(1, min(chunk, CHUNK)), np.float32)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._scratch.nbytes
+
+    def __call__(self, grad, master, *rest) -> None:
+        buf, param, s = (rest if self.has_buffer else (None, *rest))
+        f = np.float32
+        grad32, grad16, kind = _split(grad)
+        param16 = _NO_U16 if param is None else param.view(np.uint16)
+        param_kind = FP32 if param is None else _encoding(param)
+        momentum = f(s.momentum) if buf is not None else f(0)
+        _sgd(grad32, grad16, kind, master, _NO_F32 if buf is None else buf, param16,
+             param_kind, _FP16_TABLE, self._scratch, f(s.grad_scale), f(s.weight_decay),
+             momentum, f(s.one_minus_dampening), bool(s.nesterov), bool(s.first),
+             f(s.neg_lr))
 
 
 class NumbaReductions:

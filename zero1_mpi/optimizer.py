@@ -1,8 +1,9 @@
-"""``ZeroAdam`` and ``ZeroAdamW``: Adam with its state sharded over MPI ranks (ZeRO stage 1).
+"""The optimizers: the sharded engine (``engine.ShardedOptimizer``) driving one rule each.
 
-The sharded engine (``engine.ShardedOptimizer``) driving the Adam rule (``rules.adam``). The
-result equals one process running ``torch.optim.Adam`` (or ``AdamW``), with
-``clip_grad_norm_``, on the gradients averaged over ranks.
+``ZeroAdam`` / ``ZeroAdamW`` (``rules.adam``) and ``ZeroSGD`` (``rules.sgd``), with their state
+sharded over MPI ranks (ZeRO stage 1). The result equals one process running
+``torch.optim.Adam`` / ``AdamW`` / ``SGD``, with ``clip_grad_norm_``, on the gradients averaged
+over ranks.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from .engine import ShardedOptimizer, StepInfo  # noqa: F401 (StepInfo: part of this API)
 from .layout import DEFAULT_BUCKET_ELEMENTS
 from .rules.adam import Adam
+from .rules.sgd import SGD
 
 
 class ZeroAdam(ShardedOptimizer):
@@ -47,3 +49,32 @@ class ZeroAdamW(ZeroAdam):
                  weight_decay=1e-2, **kwargs):
         kwargs.setdefault("decoupled_weight_decay", True)
         super().__init__(params, comm, lr, betas, eps, weight_decay, **kwargs)
+
+
+class ZeroSGD(ShardedOptimizer):
+    """SGD (``torch.optim.SGD`` semantics) with its momentum buffer sharded over MPI ranks.
+
+    ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``: as in
+    ``torch.optim.SGD``; defaults for the groups (settable per group between steps). The
+    momentum buffer (4 bytes per parameter / N) exists only when the default or some group has
+    a non-zero momentum at construction. Other arguments: see ``ShardedOptimizer``.
+    """
+
+    def __init__(self, params, comm=None, lr=1e-3, momentum=0.0, dampening=0.0,
+                 weight_decay=0.0, nesterov=False, *, param_dtype=None, loss_scale=None,
+                 max_grad_norm=None, reduce_dtype="float32",
+                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None):
+        super().__init__(params, comm, SGD(_wants_momentum(params, momentum)),
+                         {"lr": lr, "momentum": momentum, "dampening": dampening,
+                          "weight_decay": weight_decay, "nesterov": nesterov},
+                         param_dtype=param_dtype, loss_scale=loss_scale,
+                         max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
+                         bucket_elements=bucket_elements, cuda_aware=cuda_aware)
+
+
+def _wants_momentum(params, momentum) -> bool:
+    """Whether the default or any group asks for momentum (bad input is reported later)."""
+    groups = params if isinstance(params, (list, tuple)) else []
+    values = [momentum] + [g.get("momentum", 0) for g in groups if isinstance(g, dict)]
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0
+               for v in values)

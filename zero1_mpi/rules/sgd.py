@@ -1,0 +1,196 @@
+"""SGD as an update rule: ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay).
+
+Per owned element, in fp32: ``g = grad * grad_scale + weight_decay * p``; with momentum, the
+buffer is ``g`` itself on the first step and ``momentum * b + (1 - dampening) * g`` after, and
+the step direction is ``g + momentum * b`` (Nesterov) or ``b``; then ``p -= lr * direction``.
+The only state array is ``momentum_buffer``, allocated only when some param group has a
+non-zero momentum at construction (``SGD(momentum_buffer=...)``); without it a group's
+momentum must stay 0. Its fused update has the same three twins as Adam's: NumPy here, Numba in
+``kernels_numba`` (the same bits), CuPy here; called as ``kernel(grad, master,
+[momentum_buffer,] param, scalars)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import backend
+from ..reductions import NUMPY_CHUNK
+
+
+def _number(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    return float(value)
+
+
+class SGD:
+    """The rule object the engine drives."""
+
+    name = "sgd"
+    options = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+    def __init__(self, momentum_buffer: bool):
+        self.momentum_buffer = momentum_buffer
+        self.state_names = ("momentum_buffer",) if momentum_buffer else ()
+
+    def settings(self) -> dict:
+        return {"rule": self.name, "momentum_buffer": self.momentum_buffer}
+
+    def check_options(self, lr, momentum, dampening, weight_decay, nesterov) -> dict:
+        """The SGD options, normalized, or a ValueError naming the bad one and the fix."""
+        lr, momentum = _number(lr, "lr"), _number(momentum, "momentum")
+        dampening, weight_decay = _number(dampening, "dampening"), \
+            _number(weight_decay, "weight_decay")
+        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
+                            ("weight_decay", weight_decay)):
+            if value < 0:
+                raise ValueError(f"{name}={value!r} must be >= 0")
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"nesterov={nesterov!r} must be True or False")
+        if nesterov and (momentum == 0 or dampening != 0):
+            raise ValueError(f"nesterov=True needs momentum > 0 and dampening = 0 (got "
+                             f"momentum={momentum!r}, dampening={dampening!r}), as in torch")
+        if momentum and not self.momentum_buffer:
+            raise ValueError(f"momentum={momentum!r} needs a momentum buffer, which is only "
+                             "allocated when a group has a non-zero momentum at construction: "
+                             "build the optimizer with momentum set")
+        return {"lr": lr, "momentum": momentum, "dampening": dampening,
+                "weight_decay": weight_decay, "nesterov": nesterov}
+
+    @staticmethod
+    def scalars(step: int, options: dict, grad_scale: float) -> SGDScalars:
+        return SGDScalars(grad_scale=float(grad_scale), weight_decay=options["weight_decay"],
+                          momentum=options["momentum"],
+                          one_minus_dampening=1.0 - options["dampening"],
+                          nesterov=options["nesterov"], neg_lr=-options["lr"], first=step == 1)
+
+    def kernel(self, kind: str, largest: int = NUMPY_CHUNK):
+        if kind == "cupy":
+            return CupySGD(self.momentum_buffer)
+        if kind == "numba":
+            from ..kernels_numba import NumbaSGD
+            return NumbaSGD(self.momentum_buffer, largest)
+        return NumpySGD(self.momentum_buffer, min(NUMPY_CHUNK, largest))
+
+
+@dataclass(frozen=True)
+class SGDScalars:
+    """Host scalars of one step for one parameter group."""
+
+    grad_scale: float
+    weight_decay: float
+    momentum: float          # 0: no buffer is used this step
+    one_minus_dampening: float
+    nesterov: bool
+    neg_lr: float
+    first: bool              # the buffer starts as the gradient itself (torch)
+
+
+def _split_args(has_buffer: bool, rest):
+    """``(buffer or None, param, scalars)`` from the kernel's arguments after ``master``."""
+    return (rest[0], rest[1], rest[2]) if has_buffer else (None, rest[0], rest[1])
+
+
+class NumpySGD:
+    """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
+
+    def __init__(self, has_buffer: bool, chunk: int = NUMPY_CHUNK):
+        self.has_buffer = has_buffer
+        self.chunk = max(1, chunk)
+        self._g = np.empty(self.chunk, np.float32)
+        self._t = np.empty(self.chunk, np.float32)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._g.nbytes + self._t.nbytes
+
+    def __call__(self, grad, master, *rest) -> None:
+        buf, param, s = _split_args(self.has_buffer, rest)
+        for start in range(0, master.size, self.chunk):
+            stop = min(start + self.chunk, master.size)
+            self._update(grad[start:stop], master[start:stop],
+                         None if buf is None else buf[start:stop],
+                         None if param is None else param[start:stop], s)
+
+    def _update(self, grad, p, b, param, s: SGDScalars) -> None:
+        g, t = self._g[:p.size], self._t[:p.size]
+        np.multiply(grad, s.grad_scale, out=g, dtype=np.float32)  # mean gradient, in fp32
+        if s.weight_decay:
+            np.multiply(p, s.weight_decay, out=t)                  # g += wd * p
+            g += t
+        if s.momentum:
+            if s.first:
+                b[...] = g                                         # b = g on the first step
+            else:
+                b *= s.momentum                                    # b = m b + (1 - d) g
+                np.multiply(g, s.one_minus_dampening, out=t)
+                b += t
+            if s.nesterov:
+                np.multiply(b, s.momentum, out=t)                  # Nesterov: g += m b
+                g += t
+            else:
+                g = b
+        np.multiply(g, s.neg_lr, out=t)                            # p -= lr g
+        p += t
+        if param is not None:
+            np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
+
+
+# The CuPy twin; ``first``, ``nesterov`` and ``use_momentum`` are 0/1 flags.
+_CUDA_IN = ("G grad, float32 grad_scale, float32 weight_decay, float32 momentum, "
+            "float32 one_minus_dampening, int32 nesterov, int32 first, float32 neg_lr")
+_CUDA_MATH = r"""
+    float g = (float)grad * grad_scale;                  // mean gradient, in fp32
+    g += p * weight_decay;                               // L2 weight decay
+    MOMENTUM
+    p += g * neg_lr;                                     // p -= lr g
+"""
+_CUDA_MOMENTUM = r"""if (momentum != 0.0f) {
+        float b = first ? g : momentum_buffer * momentum + g * one_minus_dampening;
+        momentum_buffer = b;                             // b = g first, m b + (1 - d) g after
+        g = nesterov ? g + b * momentum : b;             // Nesterov: g + m b
+    }"""
+_cuda_kernels: dict[tuple, object] = {}
+
+
+def _cuda_kernel(mixed: bool, has_buffer: bool):
+    key = (mixed, has_buffer)
+    if key not in _cuda_kernels:
+        math_ = _CUDA_MATH.replace("MOMENTUM", _CUDA_MOMENTUM if has_buffer else "")
+        buffer = ", float32 momentum_buffer" if has_buffer else ""
+        if mixed:
+            out = f"float32 master{buffer}, P param"
+            body = "float p = master;" + math_ + "    master = p;\n    param = (P)p;\n"
+        else:
+            out = f"float32 param{buffer}"
+            body = "float p = param;" + math_ + "    param = p;\n"
+        _cuda_kernels[key] = backend.xp_for("cupy").ElementwiseKernel(
+            _CUDA_IN, out, body, f"zero1_sgd_{'mixed' if mixed else 'fp32'}"
+                                 f"{'_momentum' if has_buffer else ''}")
+    return _cuda_kernels[key]
+
+
+class CupySGD:
+    """The CuPy twin: one fused kernel launch per shard range, on the current stream."""
+
+    scratch_bytes = 0
+
+    def __init__(self, has_buffer: bool):
+        self.has_buffer = has_buffer
+
+    def __call__(self, grad, master, *rest) -> None:
+        buf, param, s = _split_args(self.has_buffer, rest)
+        f = np.float32
+        args = (grad, f(s.grad_scale), f(s.weight_decay), f(s.momentum),
+                f(s.one_minus_dampening), np.int32(s.nesterov), np.int32(s.first),
+                f(s.neg_lr))
+        buffers = (buf,) if self.has_buffer else ()
+        if param is None:
+            _cuda_kernel(False, self.has_buffer)(*args, master, *buffers)
+        else:
+            _cuda_kernel(True, self.has_buffer)(*args, master, *buffers, param)
