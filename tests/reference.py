@@ -83,6 +83,33 @@ class ReferenceSGD:
         return norm
 
 
+class ReferenceLion:
+    """Lion (Chen et al. 2023) in float64: ``c = b1 m + (1 - b1) g``; ``p = p (1 - lr wd) -
+    lr sign(c)``; ``m = b2 m + (1 - b2) g``."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, groups=None,
+                 max_grad_norm=None):
+        self.params = {k: np.array(v, dtype=np.float64) for k, v in params.items()}
+        self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
+        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        self.groups = [{**defaults, **g} for g in (groups or [{"names": list(params)}])]
+        self.max_grad_norm = max_grad_norm
+
+    def step(self, grads) -> float:
+        grads = {k: np.asarray(g, dtype=np.float64) for k, g in grads.items()}
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        if self.max_grad_norm is not None:
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
+            grads = {k: g * coef for k, g in grads.items()}
+        for group in self.groups:
+            lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for k in group["names"]:
+                c = b1 * self.m[k] + (1 - b1) * grads[k]
+                self.params[k] = self.params[k] * (1 - lr * wd) - lr * np.sign(c)
+                self.m[k] = b2 * self.m[k] + (1 - b2) * grads[k]
+        return norm
+
+
 def ordered_bits(a: np.ndarray) -> np.ndarray:
     """16-bit floats as integers whose difference counts units in the last place."""
     bits = a.view(np.uint16).astype(np.int64)

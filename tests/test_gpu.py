@@ -138,3 +138,24 @@ def test_cupy_sgd_kernel_matches_numpy_twin(dtype_name, options):
     assert max_rel_err(dev["master"].get(), host["master"]) <= 1e-6
     if dtype != np.float32:
         assert max_ulp_diff(dev["param"].get(), host["param"]) <= 1
+
+
+@pytest.mark.parametrize("dtype_name", list(PARAM_DTYPES))
+def test_cupy_lion_kernel_matches_numpy_twin(dtype_name):
+    from zero1_mpi.rules.lion import CupyLion, Lion, NumpyLion
+    dtype = PARAM_DTYPES[dtype_name]
+    n = 100_003
+    rng = np.random.default_rng(3)
+    host = {"master": rng.standard_normal(n).astype(np.float32), "m": np.zeros(n, np.float32)}
+    host["param"] = host["master"].astype(dtype) if dtype != np.float32 else None
+    dev = {k: None if a is None else cupy.asarray(a) for k, a in host.items()}
+    options = {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.1}
+    for step in range(1, 11):
+        grad = rng.standard_normal(n).astype(dtype)
+        s = Lion.scalars(step, options, 0.5)
+        NumpyLion()(grad, host["master"], host["m"], host["param"], s)
+        CupyLion()(cupy.asarray(grad), dev["master"], dev["m"], dev["param"], s)
+    assert max_rel_err(dev["master"].get(), host["master"]) <= 1e-6
+    assert max_rel_err(dev["m"].get(), host["m"]) <= 1e-6
+    if dtype != np.float32:
+        assert max_ulp_diff(dev["param"].get(), host["param"]) <= 1

@@ -10,10 +10,10 @@ from .comm import CollectiveError, Communicator
 from .layout import Layout, build_layout
 from .memory import MemoryReport
 from .engine import ShardedOptimizer, StepInfo
-from .optimizer import ZeroAdam, ZeroAdamW, ZeroSGD
+from .optimizer import ZeroAdam, ZeroAdamW, ZeroLion, ZeroSGD
 from .params import decay_groups
 from .scaler import LossScaler
 
-__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ShardedOptimizer", "StepInfo", "LossScaler", "decay_groups",
+__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ShardedOptimizer", "StepInfo", "LossScaler", "decay_groups",
            "MemoryReport", "Communicator", "CollectiveError", "CheckpointError", "Layout", "build_layout"]
 __version__ = "0.1.0"

@@ -156,6 +156,39 @@ def _sgd(grad32, grad16, grad_kind, master, buf, param16, param_kind, table, scr
             _narrow_f16(master[start:stop], param16[start:stop])
 
 
+@njit(cache=True, error_model="numpy", nogil=True, inline="never")
+def _lion_update(grad, master, m, grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr):
+    """Lion over one chunk: ``rules.lion.NumpyLion``'s operations in its order."""
+    for i in range(master.size):
+        g = grad[i] * grad_scale                         # mean gradient
+        mi = m[i]
+        c = mi * beta1 + g * omb1                        # c = b1 m + (1 - b1) g
+        p = master[i]
+        if decay != 1:
+            p = p * decay                                # p *= 1 - lr wd
+        master[i] = p + np.sign(c) * neg_lr              # p -= lr sign(c)
+        m[i] = mi * beta2 + g * omb2                     # m = b2 m + (1 - b2) g
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _lion(grad32, grad16, grad_kind, master, m, param16, param_kind, table, scratch,
+          grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr):
+    n = master.size
+    for start in range(0, n, scratch.size):
+        stop = min(n, start + scratch.size)
+        if grad_kind == FP32:
+            grad = grad32[start:stop]
+        else:
+            grad = scratch[:stop - start]
+            _widen(grad16[start:stop], grad_kind, table, grad)
+        _lion_update(grad, master[start:stop], m[start:stop], grad_scale, beta1, omb1, beta2,
+                     omb2, decay, neg_lr)
+        if param_kind == BF16:
+            _narrow_bf16(master[start:stop], param16[start:stop])
+        elif param_kind == FP16:
+            _narrow_f16(master[start:stop], param16[start:stop])
+
+
 @njit(cache=True, error_model="numpy", nogil=True)
 def _sum_blocks(blocks, kind, table, scratch, out):
     """``out`` = the rows of ``blocks`` (16-bit patterns) widened and summed in fp32, in row
@@ -224,6 +257,26 @@ class NumbaSGD:
              param_kind, _FP16_TABLE, self._scratch, f(s.grad_scale), f(s.weight_decay),
              momentum, f(s.one_minus_dampening), bool(s.nesterov), bool(s.first),
              f(s.neg_lr))
+
+
+class NumbaLion:
+    """The compiled twin of ``rules.lion.NumpyLion``: same interface, same bits."""
+
+    def __init__(self, chunk: int = CHUNK):
+        self._scratch = np.empty(max(1, min(chunk, CHUNK)), np.float32)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._scratch.nbytes
+
+    def __call__(self, grad, master, exp_avg, param, s) -> None:
+        f = np.float32
+        grad32, grad16, kind = _split(grad)
+        param16 = _NO_U16 if param is None else param.view(np.uint16)
+        param_kind = FP32 if param is None else _encoding(param)
+        _lion(grad32, grad16, kind, master, exp_avg, param16, param_kind, _FP16_TABLE,
+              self._scratch, f(s.grad_scale), f(s.beta1), f(s.one_minus_beta1), f(s.beta2),
+              f(s.one_minus_beta2), f(s.decay), f(s.neg_lr))
 
 
 class NumbaReductions:

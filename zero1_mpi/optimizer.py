@@ -1,9 +1,9 @@
 """The optimizers: the sharded engine (``engine.ShardedOptimizer``) driving one rule each.
 
-``ZeroAdam`` / ``ZeroAdamW`` (``rules.adam``) and ``ZeroSGD`` (``rules.sgd``), with their state
-sharded over MPI ranks (ZeRO stage 1). The result equals one process running
-``torch.optim.Adam`` / ``AdamW`` / ``SGD``, with ``clip_grad_norm_``, on the gradients averaged
-over ranks.
+``ZeroAdam`` / ``ZeroAdamW`` (``rules.adam``), ``ZeroSGD`` (``rules.sgd``) and ``ZeroLion``
+(``rules.lion``), with their state sharded over MPI ranks (ZeRO stage 1). The result equals one
+process running ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` (or Lion), with ``clip_grad_norm_``,
+on the gradients averaged over ranks.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from .engine import ShardedOptimizer, StepInfo  # noqa: F401 (StepInfo: part of this API)
 from .layout import DEFAULT_BUCKET_ELEMENTS
 from .rules.adam import Adam
+from .rules.lion import Lion
 from .rules.sgd import SGD
 
 
@@ -67,6 +68,21 @@ class ZeroSGD(ShardedOptimizer):
         super().__init__(params, comm, SGD(_wants_momentum(params, momentum)),
                          {"lr": lr, "momentum": momentum, "dampening": dampening,
                           "weight_decay": weight_decay, "nesterov": nesterov},
+                         param_dtype=param_dtype, loss_scale=loss_scale,
+                         max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
+                         bucket_elements=bucket_elements, cuda_aware=cuda_aware)
+
+
+class ZeroLion(ShardedOptimizer):
+    """Lion (Chen et al. 2023) with its ``exp_avg`` sharded over MPI ranks: ``lr``, ``betas``,
+    ``weight_decay`` are the groups' defaults. Other arguments: see ``ShardedOptimizer``."""
+
+    def __init__(self, params, comm=None, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 param_dtype=None, loss_scale=None, max_grad_norm=None,
+                 reduce_dtype="float32", bucket_elements=DEFAULT_BUCKET_ELEMENTS,
+                 cuda_aware=None):
+        super().__init__(params, comm, Lion(),
+                         {"lr": lr, "betas": betas, "weight_decay": weight_decay},
                          param_dtype=param_dtype, loss_scale=loss_scale,
                          max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
                          bucket_elements=bucket_elements, cuda_aware=cuda_aware)

@@ -1,9 +1,10 @@
-"""N ranks == one process: ZeroSGD against the float64 torch.optim.SGD reference on averaged
-gradients, for awkward shapes, every dtype, momentum/dampening/Nesterov/weight decay, param
-groups, clipping and a fixed loss scale. Also: a checkpoint saved here loads and trains on
-bitwise, and an Adam checkpoint is refused. Run on any number of ranks.
+"""N ranks == one process, for the rules beside Adam: ZeroSGD against a float64
+torch.optim.SGD, ZeroLion against a float64 Lion, on averaged gradients, for awkward shapes,
+every dtype, each rule's options, param groups, clipping and a fixed loss scale. Also: a
+checkpoint saved here loads and trains on bitwise, and an Adam checkpoint is refused. Run on
+any number of ranks.
 
-    mpiexec -n N python -m mpi4py tests/cases/parity_sgd.py DIR
+    mpiexec -n N python -m mpi4py tests/cases/parity_rules.py sgd|lion DIR
 """
 
 import sys
@@ -13,8 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 from expect import check
-from reference import ReferenceSGD, close_to_reference
-from zero1_mpi import CheckpointError, ZeroAdam, ZeroSGD
+from reference import ReferenceLion, ReferenceSGD, close_to_reference
+from zero1_mpi import CheckpointError, ZeroAdam, ZeroLion, ZeroSGD
 from zero1_mpi.backend import resolve_dtype
 
 comm = MPI.COMM_WORLD
@@ -22,11 +23,16 @@ rank, size = comm.Get_rank(), comm.Get_size()
 STEPS = 12
 SHAPES = {"scalar": (), "empty": (0, 3), "one": (1,), "vec": (7,), "mat": (5, 13),
           "long": (700,)}
-OPTIONS = [
-    {"momentum": 0.0, "weight_decay": 0.0},
-    {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
-    {"momentum": 0.8, "nesterov": True, "weight_decay": 0.05},
-]
+RULES = {  # optimizer, reference, option sets, learning rate
+    "sgd": (ZeroSGD, ReferenceSGD, [{"momentum": 0.0, "weight_decay": 0.0},
+                                    {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+                                    {"momentum": 0.8, "nesterov": True, "weight_decay": 0.05}],
+            0.05),
+    "lion": (ZeroLion, ReferenceLion, [{"weight_decay": 0.0},
+                                       {"betas": (0.8, 0.95), "weight_decay": 0.1}], 1e-3),
+}
+RULE = sys.argv[1]
+OPTIMIZER, REFERENCE, OPTIONS, LR = RULES[RULE]
 
 
 def init_of(r):
@@ -45,9 +51,9 @@ def make(dtype_name, options, groups):
     if groups:  # the vectors and scalars in a second group, without weight decay
         flat = [k for k in SHAPES if len(SHAPES[k]) < 2]
         params = [{"params": {k: v for k, v in params.items() if k not in flat}},
-                  {"params": {k: params[k] for k in flat}, "weight_decay": 0.0, "lr": 0.02}]
-    return ZeroSGD(params, comm, lr=0.05, param_dtype=dtype_name, bucket_elements=1,
-                   max_grad_norm=5.0, loss_scale=8.0, **options)
+                  {"params": {k: params[k] for k in flat}, "weight_decay": 0.0, "lr": LR / 2}]
+    return OPTIMIZER(params, comm, lr=LR, param_dtype=dtype_name, bucket_elements=1,
+                     max_grad_norm=5.0, loss_scale=8.0, **options)
 
 
 def reference(options, groups):
@@ -55,8 +61,8 @@ def reference(options, groups):
     if groups:
         flat = [k for k in SHAPES if len(SHAPES[k]) < 2]
         ref_groups = [{"names": [k for k in SHAPES if k not in flat]},
-                      {"names": flat, "weight_decay": 0.0, "lr": 0.02}]
-    return ReferenceSGD(init_of(0), lr=0.05, groups=ref_groups, max_grad_norm=5.0, **options)
+                      {"names": flat, "weight_decay": 0.0, "lr": LR / 2}]
+    return REFERENCE(init_of(0), lr=LR, groups=ref_groups, max_grad_norm=5.0, **options)
 
 
 def train(opt, steps, dtype):
@@ -76,7 +82,7 @@ def check_case(dtype_name, options, groups):
                   for k in SHAPES})
         for k in SHAPES:
             ok, err = close_to_reference(opt.params[k], ref.params[k], dtype)
-            check(ok, f"{dtype_name}/{options}/groups={groups}: step {step}, {k!r} off by "
+            check(ok, f"{RULE} {dtype_name}/{options}/groups={groups}: step {step}, {k!r} off by "
                       f"{err} on rank {rank} of {size}")
     return opt.kernel
 
@@ -85,10 +91,10 @@ def check_checkpoints(directory: Path):
     options = OPTIONS[1]
     opt = make("bfloat16", options, False)
     train(opt, range(1, 5), resolve_dtype("bfloat16"))
-    opt.save(directory / "sgd")
+    opt.save(directory / RULE)
     train(opt, range(5, 9), resolve_dtype("bfloat16"))
     other = make("bfloat16", options, False)
-    other.load(directory / "sgd")
+    other.load(directory / RULE)
     train(other, range(5, 9), resolve_dtype("bfloat16"))
     for k in SHAPES:
         check(np.array_equal(other.params[k].view(np.uint16), opt.params[k].view(np.uint16)),
@@ -98,9 +104,9 @@ def check_checkpoints(directory: Path):
     try:
         other.load(directory / "adam")
     except CheckpointError as exc:
-        check("'adam' rule" in str(exc) and "'sgd'" in str(exc), str(exc))
+        check("'adam' rule" in str(exc) and f"'{RULE}'" in str(exc), str(exc))
     else:
-        raise AssertionError("an Adam checkpoint loaded into ZeroSGD")
+        raise AssertionError(f"an Adam checkpoint loaded into the {RULE} optimizer")
 
 
 def main(directory: Path):
@@ -112,9 +118,9 @@ def main(directory: Path):
                 cases += 1
     check_checkpoints(directory)
     if rank == 0:
-        print(f"OK sgd parity: {cases} cases x {STEPS} steps on {size} ranks "
+        print(f"OK {RULE} parity: {cases} cases x {STEPS} steps on {size} ranks "
               f"(kernel {'+'.join(sorted(kernels))})")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[2]))
