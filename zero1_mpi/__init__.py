@@ -1,7 +1,7 @@
 """zero1_mpi: ZeRO Stage 1 (optimizer-state partitioning) for MPI programs.
 
-``ZeroAdam`` / ``ZeroAdamW`` keep fp32 master weights and Adam moments for 1/N of the
-parameters on each of N ranks; the parameters and gradients stay replicated in flat NumPy or
+``ZeroAdam`` / ``ZeroAdamW``, ``ZeroSGD`` and ``ZeroLion`` keep fp32 master weights and their
+rule's state for 1/N of the parameters on each of N ranks; the parameters and gradients stay replicated in flat NumPy or
 CuPy buffers that the model sees through named views.
 """
 
@@ -14,6 +14,7 @@ from .optimizer import ZeroAdam, ZeroAdamW, ZeroLion, ZeroSGD
 from .params import decay_groups
 from .scaler import LossScaler
 
-__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ShardedOptimizer", "StepInfo", "LossScaler", "decay_groups",
-           "MemoryReport", "Communicator", "CollectiveError", "CheckpointError", "Layout", "build_layout"]
+__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ShardedOptimizer", "StepInfo",
+           "LossScaler", "decay_groups", "MemoryReport", "Communicator", "CollectiveError",
+           "CheckpointError", "Layout", "build_layout"]
 __version__ = "0.1.0"
