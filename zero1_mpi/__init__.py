@@ -1,8 +1,8 @@
 """zero1_mpi: ZeRO Stage 1 (optimizer-state partitioning) for MPI programs.
 
 ``ZeroAdam`` / ``ZeroAdamW``, ``ZeroSGD`` and ``ZeroLion`` keep fp32 master weights and their
-rule's state for 1/N of the parameters on each of N ranks; the parameters and gradients stay replicated in flat NumPy or
-CuPy buffers that the model sees through named views.
+rule's state for 1/N of the parameters on each of N ranks; the parameters and gradients stay
+replicated in flat NumPy or CuPy buffers that the model sees through named views.
 """
 
 from .checkpoint import CheckpointError
