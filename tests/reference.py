@@ -11,6 +11,16 @@ import math
 import numpy as np
 
 
+def clipped(grads, max_norm):
+    """``(grads in float64, clipped as clip_grad_norm_ does, their norm before clipping)``."""
+    grads = {k: np.asarray(g, dtype=np.float64) for k, g in grads.items()}
+    norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+    if max_norm is not None:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        grads = {k: g * coef for k, g in grads.items()}
+    return grads, norm
+
+
 class ReferenceAdam:
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  decoupled=False, groups=None, max_grad_norm=None):
@@ -24,11 +34,7 @@ class ReferenceAdam:
 
     def step(self, grads) -> float:
         """One step on ``grads`` (already averaged); returns the norm before clipping."""
-        grads = {k: np.asarray(g, dtype=np.float64) for k, g in grads.items()}
-        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
-        if self.max_grad_norm is not None:
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
-            grads = {k: g * coef for k, g in grads.items()}
+        grads, norm = clipped(grads, self.max_grad_norm)
         self.t += 1
         for group in self.groups:
             lr, (b1, b2), eps, wd = (group[k] for k in ("lr", "betas", "eps", "weight_decay"))
@@ -61,11 +67,7 @@ class ReferenceSGD:
         self.max_grad_norm = max_grad_norm
 
     def step(self, grads) -> float:
-        grads = {k: np.asarray(g, dtype=np.float64) for k, g in grads.items()}
-        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
-        if self.max_grad_norm is not None:
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
-            grads = {k: g * coef for k, g in grads.items()}
+        grads, norm = clipped(grads, self.max_grad_norm)
         for group in self.groups:
             for k in group["names"]:
                 p, g = self.params[k], grads[k]
@@ -96,11 +98,7 @@ class ReferenceLion:
         self.max_grad_norm = max_grad_norm
 
     def step(self, grads) -> float:
-        grads = {k: np.asarray(g, dtype=np.float64) for k, g in grads.items()}
-        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
-        if self.max_grad_norm is not None:
-            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
-            grads = {k: g * coef for k, g in grads.items()}
+        grads, norm = clipped(grads, self.max_grad_norm)
         for group in self.groups:
             lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
             for k in group["names"]:

@@ -214,9 +214,10 @@ def kernel_throughput(np, comm, MPI, n, dtype, args) -> dict:
             times.append(time.perf_counter() - t)
         return comm.allreduce(min(times), op=MPI.MAX)
 
-    a, b = np.ones(2 * n, np.float32), np.zeros(2 * n, np.float32)
-    stream_gbs = 3 * a.nbytes / best(lambda: np.add(a, b, out=a)) / 1e9
-    del a, b
+    def in_place_stream(a, b):  # read a and b, write a: 12 bytes per element of a
+        return 3 * a.nbytes / best(lambda: np.add(a, b, out=a)) / 1e9
+
+    stream_gbs = in_place_stream(np.ones(2 * n, np.float32), np.zeros(2 * n, np.float32))
     mixed = dtype != np.float32
     # The kernel's input: the gradients themselves on one rank; on more, their fp32 sums.
     inputs = {"": np.full(n, 1e-3, np.float32)}

@@ -22,33 +22,15 @@ import numpy as np
 
 from .. import backend
 from ..reductions import NUMPY_CHUNK
+from .options import betas as check_betas
+from .options import non_negative
 
 
 def check_options(lr, betas, eps, weight_decay) -> dict:
     """The four Adam options as floats, or a ValueError naming the bad one."""
-    def number(value, name):
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-                or not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number")
-        return float(value)
-
-    lr, eps = number(lr, "lr"), number(eps, "eps")
-    weight_decay = number(weight_decay, "weight_decay")
-    if lr < 0:
-        raise ValueError(f"lr={lr!r} must be >= 0")
-    if eps < 0:
-        raise ValueError(f"eps={eps!r} must be >= 0 (torch's default is 1e-8)")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas={betas!r} must be a pair such as (0.9, 0.999)") from None
-    beta1, beta2 = number(beta1, "betas[0]"), number(beta2, "betas[1]")
-    for i, beta in enumerate((beta1, beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"betas[{i}]={beta!r} must be in [0, 1)")
-    return {"lr": lr, "betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
+    return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.999)"),
+            "eps": non_negative(eps, "eps", " (torch's default is 1e-8)"),
+            "weight_decay": non_negative(weight_decay, "weight_decay")}
 
 
 class Adam:

@@ -15,25 +15,14 @@ import numpy as np
 
 from .. import backend
 from ..reductions import NUMPY_CHUNK
-from .sgd import _number
+from .options import betas as check_betas
+from .options import non_negative
 
 
 def check_options(lr, betas, weight_decay) -> dict:
     """The Lion options as floats, or a ValueError naming the bad one and the fix."""
-    lr, weight_decay = _number(lr, "lr"), _number(weight_decay, "weight_decay")
-    if lr < 0:
-        raise ValueError(f"lr={lr!r} must be >= 0")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas={betas!r} must be a pair such as (0.9, 0.99)") from None
-    beta1, beta2 = _number(beta1, "betas[0]"), _number(beta2, "betas[1]")
-    for i, beta in enumerate((beta1, beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"betas[{i}]={beta!r} must be in [0, 1)")
-    return {"lr": lr, "betas": (beta1, beta2), "weight_decay": weight_decay}
+    return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.99)"),
+            "weight_decay": non_negative(weight_decay, "weight_decay")}
 
 
 class Lion:

@@ -12,20 +12,13 @@ momentum must stay 0. Its fused update has the same three twins as Adam's: NumPy
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import backend
 from ..reductions import NUMPY_CHUNK
-
-
-def _number(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-            or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
-    return float(value)
+from .options import non_negative
 
 
 class SGD:
@@ -43,13 +36,9 @@ class SGD:
 
     def check_options(self, lr, momentum, dampening, weight_decay, nesterov) -> dict:
         """The SGD options, normalized, or a ValueError naming the bad one and the fix."""
-        lr, momentum = _number(lr, "lr"), _number(momentum, "momentum")
-        dampening, weight_decay = _number(dampening, "dampening"), \
-            _number(weight_decay, "weight_decay")
-        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
-                            ("weight_decay", weight_decay)):
-            if value < 0:
-                raise ValueError(f"{name}={value!r} must be >= 0")
+        lr, momentum = non_negative(lr, "lr"), non_negative(momentum, "momentum")
+        dampening = non_negative(dampening, "dampening")
+        weight_decay = non_negative(weight_decay, "weight_decay")
         if not isinstance(nesterov, bool):
             raise ValueError(f"nesterov={nesterov!r} must be True or False")
         if nesterov and (momentum == 0 or dampening != 0):
