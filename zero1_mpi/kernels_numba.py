@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from .reductions import NUMPY_CHUNK, sum_of_squares
+from .rules.sgd import split_args
 
 FP32, BF16, FP16 = 0, 1, 2  # how a gradient or parameter array is encoded
 _FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
@@ -75,6 +76,26 @@ def _narrow_f16(values, out):
         out[i] = np.uint16(sign | h)
 
 
+@njit(cache=True, error_model="numpy", nogil=True)
+def _fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop):
+    """The gradient over ``[start, stop)`` in fp32: a slice, or the 16-bit chunk widened into
+    the scratch."""
+    if grad_kind == FP32:
+        return grad32[start:stop]
+    grad = scratch[:stop - start]
+    _widen(grad16[start:stop], grad_kind, table, grad)
+    return grad
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def _round_params(master, param16, param_kind):
+    """The 16-bit parameters (bit patterns) = the fp32 masters rounded; nothing for fp32."""
+    if param_kind == BF16:
+        _narrow_bf16(master, param16)
+    elif param_kind == FP16:
+        _narrow_f16(master, param16)
+
+
 @njit(cache=True, error_model="numpy", nogil=True, inline="never")
 def _update(grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step,
             bc2_sqrt):
@@ -102,17 +123,10 @@ def _adam(grad32, grad16, grad_kind, master, m, v, param16, param_kind, table, s
     n = master.size
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
-        if grad_kind == FP32:
-            grad = grad32[start:stop]
-        else:  # widen the 16-bit chunk into the scratch first
-            grad = scratch[:stop - start]
-            _widen(grad16[start:stop], grad_kind, table, grad)
+        grad = _fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
         _update(grad, master[start:stop], m[start:stop], v[start:stop], grad_scale, beta2,
                 omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt)
-        if param_kind == BF16:
-            _narrow_bf16(master[start:stop], param16[start:stop])
-        elif param_kind == FP16:
-            _narrow_f16(master[start:stop], param16[start:stop])
+        _round_params(master[start:stop], param16[start:stop], param_kind)
 
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="never")
@@ -143,17 +157,10 @@ def _sgd(grad32, grad16, grad_kind, master, buf, param16, param_kind, table, scr
     n = master.size
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
-        if grad_kind == FP32:
-            grad = grad32[start:stop]
-        else:
-            grad = scratch[:stop - start]
-            _widen(grad16[start:stop], grad_kind, table, grad)
+        grad = _fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
         _sgd_update(grad, master[start:stop], buf[start:stop],
                     grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr)
-        if param_kind == BF16:
-            _narrow_bf16(master[start:stop], param16[start:stop])
-        elif param_kind == FP16:
-            _narrow_f16(master[start:stop], param16[start:stop])
+        _round_params(master[start:stop], param16[start:stop], param_kind)
 
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="never")
@@ -176,17 +183,10 @@ def _lion(grad32, grad16, grad_kind, master, m, param16, param_kind, table, scra
     n = master.size
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
-        if grad_kind == FP32:
-            grad = grad32[start:stop]
-        else:
-            grad = scratch[:stop - start]
-            _widen(grad16[start:stop], grad_kind, table, grad)
+        grad = _fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
         _lion_update(grad, master[start:stop], m[start:stop], grad_scale, beta1, omb1, beta2,
                      omb2, decay, neg_lr)
-        if param_kind == BF16:
-            _narrow_bf16(master[start:stop], param16[start:stop])
-        elif param_kind == FP16:
-            _narrow_f16(master[start:stop], param16[start:stop])
+        _round_params(master[start:stop], param16[start:stop], param_kind)
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
@@ -247,7 +247,7 @@ class NumbaSGD:
         return self._scratch.nbytes
 
     def __call__(self, grad, master, *rest) -> None:
-        buf, param, s = (rest if self.has_buffer else (None, *rest))
+        buf, param, s = split_args(self.has_buffer, rest)
         f = np.float32
         grad32, grad16, kind = _split(grad)
         param16 = _NO_U16 if param is None else param.view(np.uint16)

@@ -80,7 +80,7 @@ class SGDScalars:
     first: bool              # the buffer starts as the gradient itself (torch)
 
 
-def _split_args(has_buffer: bool, rest):
+def split_args(has_buffer: bool, rest):
     """``(buffer or None, param, scalars)`` from the kernel's arguments after ``master``."""
     return (rest[0], rest[1], rest[2]) if has_buffer else (None, rest[0], rest[1])
 
@@ -99,7 +99,7 @@ class NumpySGD:
         return self._g.nbytes + self._t.nbytes
 
     def __call__(self, grad, master, *rest) -> None:
-        buf, param, s = _split_args(self.has_buffer, rest)
+        buf, param, s = split_args(self.has_buffer, rest)
         for start in range(0, master.size, self.chunk):
             stop = min(start + self.chunk, master.size)
             self._update(grad[start:stop], master[start:stop],
@@ -130,7 +130,7 @@ class NumpySGD:
             np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
 
 
-# The CuPy twin; ``first``, ``nesterov`` and ``use_momentum`` are 0/1 flags.
+# The CuPy twin; ``first`` and ``nesterov`` are 0/1 flags; momentum 0 leaves the buffer alone.
 _CUDA_IN = ("G grad, float32 grad_scale, float32 weight_decay, float32 momentum, "
             "float32 one_minus_dampening, int32 nesterov, int32 first, float32 neg_lr")
 _CUDA_MATH = r"""
@@ -173,7 +173,7 @@ class CupySGD:
         self.has_buffer = has_buffer
 
     def __call__(self, grad, master, *rest) -> None:
-        buf, param, s = _split_args(self.has_buffer, rest)
+        buf, param, s = split_args(self.has_buffer, rest)
         f = np.float32
         args = (grad, f(s.grad_scale), f(s.weight_decay), f(s.momentum),
                 f(s.one_minus_dampening), np.int32(s.nesterov), np.int32(s.first),
