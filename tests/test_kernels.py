@@ -148,8 +148,10 @@ def test_numba_rounding_to_16_bits_matches_numpy(dtype, convert, numba_kernels):
         assert np.array_equal(out, values.astype(resolve_dtype(dtype)).view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_numba_sums_of_blocks_and_squares(dtype, numba_kernels):
+    """fp32 rows too: read as 16-bit patterns they were summed wrong, written past ``out``
+    (heap corruption that crashed the process at exit)."""
     rng = np.random.default_rng(1)
     blocks = (rng.standard_normal((3, 10_001)) * 4).astype(resolve_dtype(dtype))
     want, got = np.empty(10_001, np.float32), np.empty(10_001, np.float32)

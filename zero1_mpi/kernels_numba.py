@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .reductions import NUMPY_CHUNK, sum_of_squares
+from .reductions import NUMPY_CHUNK, add_blocks, sum_of_squares
 from .rules.sgd import split_args
 
 FP32, BF16, FP16 = 0, 1, 2  # how a gradient or parameter array is encoded
@@ -295,7 +295,11 @@ class NumbaReductions:
         return sum_of_squares(x, self._sum_scratch)
 
     def sum_blocks(self, blocks, out) -> None:
-        """``out`` (fp32) = the rows of ``blocks`` (bf16 or fp16) summed in row order."""
+        """``out`` (fp32) = the rows of ``blocks`` summed in row order (compiled for bf16 and
+        fp16 rows, which it reads as 16-bit patterns; fp32 rows go through NumPy)."""
+        if blocks.dtype.itemsize != 2:
+            add_blocks(blocks, out)
+            return
         _sum_blocks(blocks.view(np.uint16), _encoding(blocks), _FP16_TABLE, self._scratch, out)
 
 
