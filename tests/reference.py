@@ -108,6 +108,39 @@ class ReferenceLion:
         return norm
 
 
+class ReferenceLAMB:
+    """LAMB in float64 from the formulas: Adam's moments with bias correction; ``u = m_hat /
+    (sqrt(v_hat) + eps) + wd * p``; per tensor ``r = ||p|| / ||u||`` (1 where either norm is
+    0); ``p -= lr * r * u``."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
+                 groups=None, max_grad_norm=None):
+        self.params = {k: np.array(v, dtype=np.float64) for k, v in params.items()}
+        self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.v = {k: np.zeros_like(v) for k, v in self.params.items()}
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        self.groups = [{**defaults, **g} for g in (groups or [{"names": list(params)}])]
+        self.max_grad_norm = max_grad_norm
+        self.t = 0
+
+    def step(self, grads) -> float:
+        grads, norm = clipped(grads, self.max_grad_norm)
+        self.t += 1
+        for group in self.groups:
+            lr, (b1, b2), eps, wd = (group[k] for k in ("lr", "betas", "eps", "weight_decay"))
+            for k in group["names"]:
+                p, g = self.params[k], grads[k]
+                self.m[k] = b1 * self.m[k] + (1 - b1) * g
+                self.v[k] = b2 * self.v[k] + (1 - b2) * g * g
+                m_hat = self.m[k] / (1 - b1 ** self.t)
+                v_hat = self.v[k] / (1 - b2 ** self.t)
+                u = m_hat / (np.sqrt(v_hat) + eps) + wd * p
+                p_norm, u_norm = np.linalg.norm(p), np.linalg.norm(u)
+                ratio = p_norm / u_norm if p_norm > 0 and u_norm > 0 else 1.0
+                p -= lr * ratio * u
+        return norm
+
+
 def ordered_bits(a: np.ndarray) -> np.ndarray:
     """16-bit floats as integers whose difference counts units in the last place."""
     bits = a.view(np.uint16).astype(np.int64)

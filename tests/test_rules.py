@@ -18,7 +18,7 @@ OPTIONS = [{"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "nesterov":
            {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.01, "nesterov": False}]
 
 
-@pytest.mark.parametrize("rule, cases", [("sgd", 18), ("lion", 12)])
+@pytest.mark.parametrize("rule, cases", [("sgd", 18), ("lion", 12), ("lamb", 12)])
 @pytest.mark.parametrize("n, kernel", [(n, "numpy") for n in (1, 2, 3, 4)] + [(2, "auto")])
 def test_parity_with_single_process_reference(tmp_path, rule, cases, n, kernel):
     out = run_mpi(n, "parity_rules.py", rule, str(tmp_path), timeout=300,

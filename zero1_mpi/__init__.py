@@ -1,8 +1,8 @@
 """zero1_mpi: ZeRO Stage 1 (optimizer-state partitioning) for MPI programs.
 
-``ZeroAdam`` / ``ZeroAdamW``, ``ZeroSGD`` and ``ZeroLion`` keep fp32 master weights and their
-rule's state for 1/N of the parameters on each of N ranks; the parameters and gradients stay
-replicated in flat NumPy or CuPy buffers that the model sees through named views.
+``ZeroAdam`` / ``ZeroAdamW``, ``ZeroSGD``, ``ZeroLion`` and ``ZeroLAMB`` keep fp32 master
+weights and their rule's state for 1/N of the parameters on each of N ranks; the parameters and
+gradients stay replicated in flat NumPy or CuPy buffers that the model sees through named views.
 """
 
 from .checkpoint import CheckpointError
@@ -10,11 +10,11 @@ from .comm import CollectiveError, Communicator
 from .layout import Layout, build_layout
 from .memory import MemoryReport
 from .engine import ShardedOptimizer, StepInfo
-from .optimizer import ZeroAdam, ZeroAdamW, ZeroLion, ZeroSGD
+from .optimizer import ZeroAdam, ZeroAdamW, ZeroLAMB, ZeroLion, ZeroSGD
 from .params import decay_groups
 from .scaler import LossScaler
 
-__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ShardedOptimizer", "StepInfo",
-           "LossScaler", "decay_groups", "MemoryReport", "Communicator", "CollectiveError",
-           "CheckpointError", "Layout", "build_layout"]
+__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ZeroLAMB", "ShardedOptimizer",
+           "StepInfo", "LossScaler", "decay_groups", "MemoryReport", "Communicator",
+           "CollectiveError", "CheckpointError", "Layout", "build_layout"]
 __version__ = "0.1.0"

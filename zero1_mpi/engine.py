@@ -242,9 +242,16 @@ class ShardedOptimizer:
         with self.comm.abort_on_error("in step() while updating the parameters"):
             scalars = [self.rule.scalars(self.step_count + 1, self._options(g, dict), factor)
                        for g in self.param_groups]
+            if self._tensor_sums:  # a two-phase rule: per-tensor sums first, then the update
+                t0 = clock()
+                scalars = self._per_tensor_scalars(reduced, scalars)
+                update += clock() - t0
             for bucket, grads in zip(self.layout.buckets, reduced):
                 t0 = clock()
-                self._update_shard(bucket, grads, scalars)
+                if self._tensor_sums:
+                    self._apply_shard(bucket, scalars)
+                else:
+                    self._update_shard(bucket, grads, scalars)
                 t1 = clock()
                 self._gathers.append(self.comm.start_allgather(
                     self._params[bucket.offset:bucket.offset + bucket.size]))
@@ -356,6 +363,9 @@ class ShardedOptimizer:
         weakref.finalize(self, self.comm.close, [self._params, self._grads, self._received])
         largest = max(b.shard_size for b in layout.buckets)
         self._kernel = self.rule.kernel(self.kernel, largest)
+        self._tensor_sums = getattr(self.rule, "tensor_sums", 0)
+        self._pieces = [self._tensor_pieces(b) for b in layout.buckets] \
+            if self._tensor_sums else None
         self._reductions = _reductions(self.kernel, largest)
 
     def _views(self, flat) -> dict:
@@ -444,17 +454,59 @@ class ShardedOptimizer:
     def _update_shard(self, bucket, grads, scalars) -> None:
         """The fused kernel over this rank's shard of ``bucket``, one launch per param group."""
         lo, hi = bucket.shard(self.rank)
-        state = bucket.state.start
         for (group_lo, group_hi), s in zip(self.layout.groups, scalars):
             a, b = max(lo, group_lo) - lo, min(hi, group_hi) - lo
-            if a >= b:
-                continue
-            sl, st = slice(a, b), slice(state + a, state + b)
-            states = [state[st] for state in self._state.values()]
-            if self._mixed:
-                self._kernel(grads[sl], self._master[st], *states, self._params[lo + a:lo + b], s)
-            else:
-                self._kernel(grads[sl], self._params[lo + a:lo + b], *states, None, s)
+            if a < b:
+                master, states, param = self._shard_arrays(bucket, a, b)
+                self._kernel(grads[a:b], master, *states, param, s)
+
+    def _tensor_pieces(self, bucket) -> list[tuple[int, int, int, int]]:
+        """``(tensor index, group index, a, b)`` for each piece ``[a, b)`` of a tensor in this
+        rank's shard of ``bucket`` (positions within the shard; padding left out)."""
+        lo, hi = bucket.shard(self.rank)
+        starts = [group_lo for group_lo, _ in self.layout.groups]
+        pieces = []
+        for index, t in enumerate(self.layout.tensors):
+            a, b = max(lo, t.offset), min(hi, t.offset + t.numel)
+            if a < b:
+                group = sum(start <= t.offset for start in starts) - 1
+                pieces.append((index, group, a - lo, b - lo))
+        return pieces
+
+    def _shard_arrays(self, bucket, a: int, b: int) -> tuple:
+        """``(master, states, param or None)`` over ``[a, b)`` of this rank's shard of
+        ``bucket``; for fp32 parameters the master is the parameter range itself."""
+        lo, _ = bucket.shard(self.rank)
+        st = slice(bucket.state.start + a, bucket.state.start + b)
+        states = [state[st] for state in self._state.values()]
+        if self._mixed:
+            return self._master[st], states, self._params[lo + a:lo + b]
+        return self._params[lo + a:lo + b], states, None
+
+    def _per_tensor_scalars(self, reduced, scalars) -> list:
+        """Phase one of a two-phase rule: the kernel's partial sums over each tensor piece
+        this rank owns (updating the rule's state), added per tensor, summed over ranks in
+        one ``Allreduce``; returns each tensor's scalars (``rule.tensor_scalars``)."""
+        xp, count = self._xp, self._tensor_sums
+        sums = xp.zeros((len(self.layout.tensors), count), np.float64)
+        group_of = {}
+        for bucket, grads, pieces in zip(self.layout.buckets, reduced, self._pieces):
+            for index, group, a, b in pieces:
+                master, states, _ = self._shard_arrays(bucket, a, b)
+                sums[index] += self._kernel.tensor_sums(grads[a:b], master, *states,
+                                                        scalars[group])
+                group_of[index] = group
+        totals = backend.to_numpy(sums)
+        if self.world_size > 1:
+            totals = self.comm.allreduce_sum(totals)
+        return {index: self.rule.tensor_scalars(scalars[group], totals[index])
+                for index, group in group_of.items()}
+
+    def _apply_shard(self, bucket, tensor_scalars) -> None:
+        """Phase two of a two-phase rule over this rank's shard of ``bucket``."""
+        for index, _, a, b in self._pieces[bucket.index]:
+            master, states, param = self._shard_arrays(bucket, a, b)
+            self._kernel.apply(master, *states, param, tensor_scalars[index])
 
     def _options(self, group: dict, kind=list):
         """A group's rule options, as a list of (key, value) pairs or as a dict."""

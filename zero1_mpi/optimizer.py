@@ -1,9 +1,9 @@
 """The optimizers: the sharded engine (``engine.ShardedOptimizer``) driving one rule each.
 
-``ZeroAdam`` / ``ZeroAdamW`` (``rules.adam``), ``ZeroSGD`` (``rules.sgd``) and ``ZeroLion``
-(``rules.lion``), with their state sharded over MPI ranks (ZeRO stage 1). The result equals one
-process running ``torch.optim.Adam`` / ``AdamW`` / ``SGD`` (or Lion), with ``clip_grad_norm_``,
-on the gradients averaged over ranks.
+``ZeroAdam`` / ``ZeroAdamW`` (``rules.adam``), ``ZeroSGD`` (``rules.sgd``), ``ZeroLion``
+(``rules.lion``) and ``ZeroLAMB`` (``rules.lamb``), with their state sharded over MPI ranks
+(ZeRO stage 1). The result equals one process running ``torch.optim.Adam`` / ``AdamW`` / ``SGD``
+(or Lion, LAMB), with ``clip_grad_norm_``, on the gradients averaged over ranks.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from .engine import ShardedOptimizer, StepInfo  # noqa: F401 (StepInfo: part of this API)
 from .layout import DEFAULT_BUCKET_ELEMENTS
 from .rules.adam import Adam
+from .rules.lamb import Lamb
 from .rules.lion import Lion
 from .rules.sgd import SGD
 
@@ -83,6 +84,24 @@ class ZeroLion(ShardedOptimizer):
                  cuda_aware=None):
         super().__init__(params, comm, Lion(),
                          {"lr": lr, "betas": betas, "weight_decay": weight_decay},
+                         param_dtype=param_dtype, loss_scale=loss_scale,
+                         max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
+                         bucket_elements=bucket_elements, cuda_aware=cuda_aware)
+
+
+class ZeroLAMB(ShardedOptimizer):
+    """LAMB (You et al. 2020) with its ``exp_avg`` and ``exp_avg_sq`` sharded over MPI ranks:
+    Adam's bias-corrected direction plus ``weight_decay * p``, scaled per tensor by the trust
+    ratio ``||p|| / ||u||`` (norms over whole tensors, from the shards with one ``Allreduce``
+    per step). ``lr``, ``betas``, ``eps``, ``weight_decay`` are the groups' defaults. Other
+    arguments: see ``ShardedOptimizer``."""
+
+    def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, *, param_dtype=None, loss_scale=None, max_grad_norm=None,
+                 reduce_dtype="float32", bucket_elements=DEFAULT_BUCKET_ELEMENTS,
+                 cuda_aware=None):
+        super().__init__(params, comm, Lamb(),
+                         {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
                          param_dtype=param_dtype, loss_scale=loss_scale,
                          max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
                          bucket_elements=bucket_elements, cuda_aware=cuda_aware)

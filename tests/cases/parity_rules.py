@@ -4,7 +4,7 @@ every dtype, each rule's options, param groups, clipping and a fixed loss scale.
 checkpoint saved here loads and trains on bitwise, and an Adam checkpoint is refused. Run on
 any number of ranks.
 
-    mpiexec -n N python -m mpi4py tests/cases/parity_rules.py sgd|lion DIR
+    mpiexec -n N python -m mpi4py tests/cases/parity_rules.py sgd|lion|lamb DIR
 """
 
 import sys
@@ -14,8 +14,8 @@ import numpy as np
 from mpi4py import MPI
 
 from expect import check
-from reference import ReferenceLion, ReferenceSGD, close_to_reference
-from zero1_mpi import CheckpointError, ZeroAdam, ZeroLion, ZeroSGD
+from reference import ReferenceLAMB, ReferenceLion, ReferenceSGD, close_to_reference
+from zero1_mpi import CheckpointError, ZeroAdam, ZeroLAMB, ZeroLion, ZeroSGD
 from zero1_mpi.backend import resolve_dtype
 
 comm = MPI.COMM_WORLD
@@ -30,6 +30,9 @@ RULES = {  # optimizer, reference, option sets, learning rate
             0.05),
     "lion": (ZeroLion, ReferenceLion, [{"weight_decay": 0.0},
                                        {"betas": (0.8, 0.95), "weight_decay": 0.1}], 1e-3),
+    "lamb": (ZeroLAMB, ReferenceLAMB, [{"weight_decay": 0.0},
+                                       {"betas": (0.8, 0.95), "eps": 1e-4, "weight_decay": 0.1}],
+             1e-2),
 }
 RULE = sys.argv[1]
 OPTIMIZER, REFERENCE, OPTIONS, LR = RULES[RULE]

@@ -13,5 +13,12 @@ loss scaling and clipping, and knows nothing of any rule's math. A rule is a sma
   called as ``kernel(grad, master, *states, param, scalars)`` on one owned range, with
   ``scratch_bytes``; the three must agree (NumPy and Numba bit for bit).
 
-``rules.adam`` is the one rule so far.
+A rule whose update needs norms of whole tensors (LAMB's trust ratio) declares
+``tensor_sums = k`` and runs in two phases instead of one call: ``kernel.tensor_sums(grad,
+master, *states, scalars)`` over one piece of one tensor (it may update the state) returns that
+piece's ``k`` partial sums; the engine adds them per tensor and over ranks (one ``Allreduce``
+per step); ``rule.tensor_scalars(scalars, totals)`` gives each tensor's scalars, and
+``kernel.apply(master, *states, param, tensor_scalars)`` updates the piece.
+
+The rules: ``adam`` (Adam, AdamW), ``sgd``, ``lion`` and ``lamb`` (two-phase).
 """
