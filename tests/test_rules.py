@@ -1,18 +1,21 @@
 """The rules beside Adam: ZeroSGD (torch.optim.SGD) and ZeroLion on shards. Parity on 1-4
 ranks (tests/cases/parity_rules.py), the kernel twins bitwise equal, the NumPy twins against
-torch (SGD) or the float64 reference (Lion), and bad options."""
+torch (SGD) or the float64 reference (Lion), ReferenceSGD against torch.optim.SGD, bad options
+on every rank (tests/cases/bad_input_rules.py), and checkpoints saved on N ranks loaded on M
+(tests/cases/checkpoint_rules.py)."""
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpirun import run_mpi
-from reference import ReferenceLion, max_rel_err
+from reference import ReferenceLion, ReferenceSGD, max_rel_err
 from zero1_mpi import ZeroLion, ZeroSGD
 from zero1_mpi.backend import resolve_dtype
 from zero1_mpi.rules.lion import Lion, NumpyLion
 from zero1_mpi.rules.sgd import SGD, NumpySGD
 
+RULES = ["sgd", "lion", "lamb"]  # the rules of the bad-input and checkpoint cases
 OPTIONS = [{"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "nesterov": False},
            {"momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": True},
            {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.01, "nesterov": False}]
@@ -133,3 +136,69 @@ def test_bad_lion_options_name_the_value(options, words):
     with pytest.raises(ValueError) as info:
         ZeroLion({"w": np.ones(4, np.float32)}, MPI.COMM_SELF, **options)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bad_rule_options_raise_on_every_rank(n):
+    """At construction, set in param_groups between steps, and differing between ranks."""
+    out = run_mpi(n, "bad_input_rules.py", *RULES, timeout=120).stdout
+    assert f"OK bad rule options: {'+'.join(RULES)}, " in out and f"on {n} ranks" in out
+
+
+def test_rule_checkpoints_saved_on_n_ranks_load_on_m(tmp_path):
+    """Saved on 1, 3, 4 ranks, loaded on 1, 2, 4: 3->2, 1->4, 4->1, ... and same-N bitwise."""
+    saved, loaded = [1, 3, 4], [1, 2, 4]
+    for n in saved:
+        run_mpi(n, "checkpoint_rules.py", "save", str(tmp_path / f"N{n}"), *RULES)
+    for m in loaded:
+        out = run_mpi(m, "checkpoint_rules.py", "load", str(tmp_path), *RULES,
+                      timeout=300).stdout
+        loads = len(saved) * len(RULES) * 2 * 2  # x dtypes x (load, load_consolidated)
+        assert f"OK rule checkpoints: {'+'.join(RULES)}, {loads} loads on {m} ranks" in out
+
+
+TORCH_SGD = [  # (defaults, options of group 1, max_grad_norm)
+    ({"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+     {"momentum": 0.8, "nesterov": True, "weight_decay": 0.0, "lr": 0.02}, 5.0),
+    ({"momentum": 0.0, "weight_decay": 0.05}, {"momentum": 0.9, "dampening": 0.5}, None),
+    ({"momentum": 0.7, "nesterov": True, "weight_decay": 0.0},
+     {"momentum": 0.0, "weight_decay": 0.1, "lr": 0.2}, 3.0),
+]
+
+
+@pytest.mark.parametrize("defaults, group_1, max_grad_norm", TORCH_SGD)
+def test_reference_sgd_is_torch_sgd(defaults, group_1, max_grad_norm):
+    """ReferenceSGD (the oracle of tests/cases/parity_rules.py) is torch.optim.SGD with
+    clip_grad_norm_, in float64, with two param groups: this ties the multi-rank parity to
+    torch."""
+    torch = pytest.importorskip("torch")
+    shapes, names_1 = {"w": (5, 13), "b": (7,), "s": ()}, ["b", "s"]
+    rng = np.random.default_rng(3)
+    init = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    ref = ReferenceSGD(init, lr=0.1, **defaults, max_grad_norm=max_grad_norm,
+                       groups=[{"names": ["w"]}, {"names": names_1, **group_1}])
+    params = {k: torch.nn.Parameter(torch.tensor(v, dtype=torch.float64))
+              for k, v in init.items()}
+    opt = torch.optim.SGD([{"params": [params["w"]]},
+                           {"params": [params[k] for k in names_1], **group_1}],
+                          lr=0.1, **defaults)
+    clipped = 0
+    for step in range(1, 9):
+        grads = {k: rng.standard_normal(s) * (3.0 if step % 2 else 0.2)
+                 for k, s in shapes.items()}
+        norm = ref.step(grads)
+        for k, p in params.items():
+            p.grad = torch.tensor(grads[k], dtype=torch.float64)
+        if max_grad_norm is not None:
+            total = float(torch.nn.utils.clip_grad_norm_(list(params.values()), max_grad_norm))
+            assert abs(total - norm) <= 1e-12 * norm
+            clipped += norm > max_grad_norm
+        opt.step()
+        for k, p in params.items():
+            assert max_rel_err(ref.params[k], p.detach().numpy()) <= 1e-12, (step, k)
+            buf = opt.state[p].get("momentum_buffer")
+            if buf is None:
+                assert k not in ref.buf, (step, k)
+            else:
+                assert max_rel_err(ref.buf[k], buf.numpy()) <= 1e-12, (step, k)
+    assert max_grad_norm is None or 0 < clipped < 8  # clipping both applied and not

@@ -217,9 +217,9 @@ class ShardedOptimizer:
             self.comm.agree(group_error)
         if self.world_size * int(totals[3]) != int(totals[2]) ** 2:
             self.zero_grad()
-            raise CollectiveError("param_groups options (lr, betas, eps, weight_decay) differ "
-                                  "between ranks: set them to the same values on every rank "
-                                  "(nothing was updated)")
+            raise CollectiveError(f"param_groups options ({', '.join(self.rule.options)}) "
+                                  "differ between ranks: set them to the same values on every "
+                                  "rank (nothing was updated)")
 
         scale = self.scaler.scale
         grad_norm = math.sqrt(totals[0]) / (self.world_size * scale)
