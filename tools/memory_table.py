@@ -1,13 +1,19 @@
-"""python tools/memory_table.py [--params 7B] [--gpus 1,4,8,16,32,64,128] [--measure]
+"""python tools/memory_table.py [--params 7B] [--gpus 1,4,8,16,32,64,128] [--optimizer adam]
+                              [--momentum 0.9] [--measure]
 
-Prints the seed's per-GPU memory table (GB = 1e9 bytes) for ZeRO stages 0-3. With
-``--measure`` it instead runs a real ``zero1_mpi.ZeroAdam`` under ``mpiexec -n N`` for each N in
-``--gpus`` (default 1,2,4; ``--params`` default 10M) and prints, for the rank holding the most
-(ties: the most padding + scratch), its measured bytes next to the stage-1 formula. Summed over
-ranks, ``measured - formula`` must equal ``padding + scratch``: the "balanced" column says so.
+Prints the seed's per-GPU memory table (GB = 1e9 bytes) for ZeRO stages 0-3, with the
+``--optimizer``'s bytes per parameter K of the sharded part (adam: the seed's 12; lamb 12; sgd 8,
+or 4 with ``--momentum 0``; lion 8). With ``--measure`` it instead runs that real optimizer
+(``zero1_mpi.ZeroAdam``, ``ZeroSGD``, ``ZeroLion``, ``ZeroLAMB``) under ``mpiexec -n N`` for each
+N in ``--gpus`` (default 1,2,4; ``--params`` default 10M) and prints, for the rank holding the
+most (ties: the most padding + scratch), its measured bytes next to the stage-1 formula. Summed
+over ranks, ``measured - formula`` must equal ``padding + scratch``: the "balanced" column says
+so.
 
     python tools/memory_table.py --params 1.3e9 --gpus 1,2,4
+    python tools/memory_table.py --optimizer sgd --momentum 0
     python tools/memory_table.py --measure --params 1M --gpus 1,2 --dtype bfloat16
+    python tools/memory_table.py --measure --optimizer lion --params 1M --gpus 1,2
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ try:
     import zero1_mpi  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(ROOT))
-from zero1_mpi.memory import MemoryReport, format_param_count, format_table, parse_param_count
+from zero1_mpi.memory import (MemoryReport, format_param_count, format_table, parse_param_count,
+                              rule_bytes_per_param)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import run_ranks  # noqa: E402
@@ -30,6 +37,9 @@ from launch import run_ranks  # noqa: E402
 TABLE_PARAMS, TABLE_GPUS = 7 * 10**9, [1, 4, 8, 16, 32, 64, 128]
 MEASURE_PARAMS, MEASURE_GPUS = 10 * 10**6, [1, 2, 4]
 DTYPES = ("float16", "bfloat16", "float32")
+#: --optimizer: the class in zero1_mpi that --measure runs (looked up when it runs).
+OPTIMIZERS = {"adam": "ZeroAdam", "sgd": "ZeroSGD", "lion": "ZeroLion", "lamb": "ZeroLAMB"}
+DEFAULT_MOMENTUM = 0.9
 
 
 def tensor_shapes(psi: int) -> list[tuple[int, ...]]:
@@ -48,11 +58,29 @@ def tensor_shapes(psi: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-def worker(psi: int, dtype: str) -> None:
-    """Runs on every rank: build ZeroAdam, gather each rank's report, print one JSON line on 0."""
+def describe(optimizer: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> str:
+    """``ZeroAdam``, ``ZeroSGD (momentum 0.9)``, ...: what --measure runs."""
+    name = OPTIMIZERS[optimizer]
+    return f"{name} (momentum {momentum:g})" if optimizer == "sgd" else name
+
+
+def optimizer_class(optimizer: str):
+    """The class of ``zero1_mpi`` that ``optimizer`` names, or a RuntimeError if it has none."""
+    import zero1_mpi as package
+    cls = getattr(package, OPTIMIZERS[optimizer], None)
+    if cls is None:
+        raise RuntimeError(f"--optimizer {optimizer}: this zero1_mpi has no "
+                           f"{OPTIMIZERS[optimizer]} to measure (the formula table works "
+                           f"without --measure)")
+    return cls
+
+
+def worker(psi: int, dtype: str, optimizer: str = "adam",
+           momentum: float = DEFAULT_MOMENTUM) -> None:
+    """Runs on every rank: build the optimizer, gather each rank's report, print one JSON line
+    on rank 0."""
     import numpy as np
     from mpi4py import MPI
-    from zero1_mpi import ZeroAdam
 
     if dtype == "bfloat16":
         import ml_dtypes
@@ -61,10 +89,12 @@ def worker(psi: int, dtype: str) -> None:
         np_dtype = np.dtype(dtype)
     comm = MPI.COMM_WORLD
     params = {f"t{i}": np.zeros(shape, np_dtype) for i, shape in enumerate(tensor_shapes(psi))}
-    opt = ZeroAdam(params, comm=comm, lr=1e-3, param_dtype=dtype)
+    options = {"momentum": momentum} if optimizer == "sgd" else {}
+    cls = optimizer_class(optimizer)
+    opt = cls(params, comm=comm, lr=1e-3, param_dtype=dtype, **options)
     report = opt.memory_report()
     if not isinstance(report, MemoryReport):
-        raise TypeError(f"ZeroAdam.memory_report() returned {type(report).__name__}; "
+        raise TypeError(f"{cls.__name__}.memory_report() returned {type(report).__name__}; "
                         f"it must return zero1_mpi.memory.MemoryReport")
     reports = comm.gather(report.as_dict(), root=0)
     if comm.rank == 0:
@@ -72,12 +102,17 @@ def worker(psi: int, dtype: str) -> None:
 
 
 def measure(psi: int, gpus, dtype: str = "float16", mpiexec: str | None = None,
-            timeout: float = 300.0) -> dict[int, list[MemoryReport]]:
+            timeout: float = 300.0, optimizer: str = "adam",
+            momentum: float = DEFAULT_MOMENTUM) -> dict[int, list[MemoryReport]]:
     """``{N: [report of rank 0, ..., rank N-1]}`` from one ``mpiexec -n N`` run per N."""
+    optimizer_class(optimizer)  # a missing class is reported here, before any launch
     results = {}
     for n in gpus:
         found = run_ranks(n, str(Path(__file__).resolve()),
-                          ["--worker", "--params", str(psi), "--dtype", dtype], mpiexec, timeout)
+                          ["--worker", "--params", str(psi), "--dtype", dtype,
+                           "--optimizer", optimizer]
+                          + (["--momentum", repr(float(momentum))] if optimizer == "sgd" else []),
+                          mpiexec, timeout)
         if len(found.get("reports", ())) != n:
             raise RuntimeError(f"the worker on {n} ranks returned {found!r}")
         results[n] = [MemoryReport(**d) for d in found["reports"]]
@@ -91,15 +126,22 @@ def balanced(reports: list[MemoryReport]) -> bool:
     return abs(diff - extra) <= 1e-9 * max(1.0, abs(diff)) + 0.5
 
 
-def format_measured(psi: int, dtype: str, results: dict[int, list[MemoryReport]]) -> str:
-    """A table: per N, the rank holding the most, its bytes, the formula and the difference."""
+def format_measured(psi: int, dtype: str, results: dict[int, list[MemoryReport]],
+                    optimizer: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> str:
+    """A table: per N, the rank holding the most, its bytes, the formula and the difference
+    (for rules other than Adam the title names the formula: 2Ψ+2Ψ+8Ψ/N, ...)."""
     def num(x):
         return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
 
     widths = (6, 6, 14, 14, 12, 12, 12, 10)
     head = ("GPUs", "rank", "measured", "formula", "difference", "padding", "scratch",
             "balanced")
-    lines = [f"Measured bytes per rank, ZeroAdam, {format_param_count(psi)} {dtype} parameters",
+    title = (f"Measured bytes per rank, {describe(optimizer, momentum)}, "
+             f"{format_param_count(psi)} {dtype} parameters")
+    labels = {r.formula_label for reports in results.values() for r in reports}
+    if optimizer != "adam" and labels:
+        title += f", formula {', '.join(sorted(labels))}"
+    lines = [title,
              "".join(f"{h:>{w}}" for h, w in zip(head, widths)), "-" * sum(widths)]
     for n, reports in results.items():
         r = max(reports, key=lambda r: (r.total, r.padding + r.comm_scratch))
@@ -107,6 +149,15 @@ def format_measured(psi: int, dtype: str, results: dict[int, list[MemoryReport]]
                r.padding, r.comm_scratch, "yes" if balanced(reports) else "NO")
         lines.append("".join(f"{v:>{w}}" for v, w in zip(row, widths)))
     return "\n".join(lines)
+
+
+def table_k(optimizer: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> dict:
+    """``format_table``'s ``k`` and ``label`` for a rule (none for Adam: the seed's table)."""
+    if optimizer == "adam":
+        return {}
+    k = rule_bytes_per_param(optimizer, "float16", momentum != 0)
+    return {"k": k, "label": f"{describe(optimizer, momentum)}, K = {k} (stage 1: "
+                             f"2Ψ+2Ψ+{k}Ψ/N)"}
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -118,6 +169,16 @@ def _gpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers >= 1, "
                                          f"e.g. 1,4,8")
     return counts
+
+
+def _momentum(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a momentum >= 0, e.g. 0.9 or 0")
+    return value
 
 
 def _param_count(text: str) -> int:
@@ -137,8 +198,14 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", type=_gpu_list, default=None,
                         help="comma-separated rank counts (default 1,4,8,16,32,64,128; "
                              "1,2,4 with --measure)")
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam",
+                        help="update rule: its bytes per parameter K in the table, the class "
+                             "--measure runs (default adam: K = 12)")
+    parser.add_argument("--momentum", type=_momentum, default=None,
+                        help=f"SGD's momentum (default {DEFAULT_MOMENTUM:g}: K = 8; 0: no "
+                             f"momentum buffer, K = 4); only with --optimizer sgd")
     parser.add_argument("--measure", action="store_true",
-                        help="run zero1_mpi.ZeroAdam under mpiexec and measure it")
+                        help="run the --optimizer's zero1_mpi class under mpiexec and measure it")
     parser.add_argument("--dtype", choices=DTYPES, default="float16",
                         help="parameter dtype for --measure (default float16)")
     parser.add_argument("--mpiexec", default=None,
@@ -149,23 +216,29 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
+    if args.momentum is not None and args.optimizer != "sgd":
+        parser.error(f"--momentum is SGD's: pass --optimizer sgd (not {args.optimizer})")
+    if args.momentum is None:
+        args.momentum = DEFAULT_MOMENTUM
     if args.worker:
-        worker(args.params if args.params is not None else MEASURE_PARAMS, args.dtype)
+        worker(args.params if args.params is not None else MEASURE_PARAMS, args.dtype,
+               args.optimizer, args.momentum)
         return 0
     if not args.measure:
         params = TABLE_PARAMS if args.params is None else args.params
-        print(format_table(params, TABLE_GPUS if args.gpus is None else args.gpus))
+        print(format_table(params, TABLE_GPUS if args.gpus is None else args.gpus,
+                           **table_k(args.optimizer, args.momentum)))
         return 0
     psi = MEASURE_PARAMS if args.params is None else args.params
     if psi < 1:
         parser.error(f"--params {psi} is too small to measure: pass at least 1")
     try:
         results = measure(psi, MEASURE_GPUS if args.gpus is None else args.gpus, args.dtype,
-                          args.mpiexec, args.timeout)
+                          args.mpiexec, args.timeout, args.optimizer, args.momentum)
     except RuntimeError as exc:
         print(f"memory_table.py: error: {exc}", file=sys.stderr)
         return 1
-    print(format_measured(psi, args.dtype, results))
+    print(format_measured(psi, args.dtype, results, args.optimizer, args.momentum))
     return 0
 
 

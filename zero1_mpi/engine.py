@@ -323,14 +323,15 @@ class ShardedOptimizer:
         state = {name: owned * FP32.itemsize for name in self._state}
         real = {"parameters": psi * self.param_dtype.itemsize,
                 "gradients": psi * self.param_dtype.itemsize,
-                "master_weights": owned * FP32.itemsize if self._mixed else 0,
-                "exp_avg": state.get("exp_avg", 0), "exp_avg_sq": state.get("exp_avg_sq", 0)}
+                "master_weights": owned * FP32.itemsize if self._mixed else 0}
         scratch = (0 if self._received is None else self._received.nbytes) \
             + self.comm.staging_bytes + self._kernel.scratch_bytes \
             + self._reductions.scratch_bytes
-        return MemoryReport(**real, padding=held - sum(real.values()), comm_scratch=scratch,
-                            psi=psi, world_size=self.world_size, rank=self.rank,
-                            param_dtype=self.param_dtype.name)
+        return MemoryReport(**real, state=state,
+                            padding=held - sum(real.values()) - sum(state.values()),
+                            comm_scratch=scratch, psi=psi, world_size=self.world_size,
+                            rank=self.rank, param_dtype=self.param_dtype.name,
+                            rule=self.rule.name)
 
     # -- internals ---------------------------------------------------------------------------
 

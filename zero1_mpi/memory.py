@@ -1,8 +1,10 @@
 """Per-rank memory of ZeRO data parallelism: the seed's formulas and what one rank measures.
 
 Formulas give bytes per rank (floats: the seed divides) for Ψ parameters and N ranks, Adam with
-16-bit params/grads and fp32 master, m, v. ``MemoryReport`` is what one optimizer rank really
-holds, in bytes, split so that every byte is counted once. Stdlib only: no numpy, no MPI.
+16-bit params/grads and fp32 master, m, v by default; ``k`` is the bytes per parameter of the
+sharded part for other update rules (``rule_bytes_per_param``: Adam and LAMB 12, SGD with
+momentum and Lion 8, plain SGD 4). ``MemoryReport`` is what one optimizer rank really holds, in
+bytes, split so that every byte is counted once. Stdlib only: no numpy, no MPI.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -23,6 +26,13 @@ STAGES = {
 }
 #: Stage 1 with fp32 params: the param shard is its own master copy (fp32 params, grads; m, v).
 STAGE1_FP32 = ((4, 4), (4, 4))
+
+#: The fp32 state arrays each update rule keeps, one element per parameter (its ``state_names``);
+#: SGD's ``momentum_buffer`` exists only with momentum (``rule_states("sgd", momentum=False)``).
+RULE_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "lamb": ("exp_avg", "exp_avg_sq"),
+               "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
+#: Parameter dtypes with an fp32 master copy in the shard (the seed's 16-bit case) and without.
+MIXED_DTYPES, FP32_DTYPES = ("float16", "bfloat16"), ("float32",)
 
 _UNITS = (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3))
 
@@ -43,6 +53,54 @@ def _check(psi, n):
     return float(psi), n
 
 
+def _check_k(k):
+    if (isinstance(k, bool) or not isinstance(k, numbers.Real) or not math.isfinite(k)
+            or k < 0):
+        raise ValueError(f"k={k!r} must be a finite number of bytes per parameter >= 0, "
+                         f"e.g. 12 for Adam")
+    return k
+
+
+def rule_states(rule: str, momentum: bool = True) -> tuple[str, ...]:
+    """The fp32 state arrays of ``rule`` (adam, lamb, sgd, lion); plain SGD has none."""
+    try:
+        names = RULE_STATES[rule]
+    except KeyError:
+        raise ValueError(f"unknown update rule {rule!r}; known: {', '.join(RULE_STATES)}") \
+            from None
+    return names if rule != "sgd" or momentum else ()
+
+
+def bytes_per_param(state_names, param_dtype: str = "float16") -> int:
+    """K, the bytes per parameter of the sharded part: 4 per fp32 state array in
+    ``state_names``, plus the fp32 master's 4 for 16-bit params (fp32 params are their own)."""
+    if param_dtype in MIXED_DTYPES:
+        master = 4
+    elif param_dtype in FP32_DTYPES:
+        master = 0
+    else:
+        raise ValueError(f"no stage-1 formula for param_dtype={param_dtype!r}; known: "
+                         f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}")
+    return master + 4 * len(tuple(state_names))
+
+
+def rule_bytes_per_param(rule: str = "adam", param_dtype: str = "float16",
+                         momentum: bool = True) -> int:
+    """K of an update rule by name: 16-bit params: adam 12, lamb 12, sgd 8 (4 without
+    momentum), lion 8; fp32 params: 8, 8, 4 (0), 4."""
+    return bytes_per_param(rule_states(rule, momentum), param_dtype)
+
+
+def stage_terms(k=12) -> dict:
+    """``STAGES`` for a rule whose sharded part is ``k`` bytes per parameter (16-bit params)."""
+    k = _check_k(k)
+    if k == 12:
+        return STAGES
+    sharded = (4,) * int(k // 4) if k % 4 == 0 else (k,)
+    return {"Baseline": ((2, 2) + sharded, ()), "Stage 1": ((2, 2), sharded),
+            "Stage 2": ((2,), (2,) + sharded), "Stage 3": ((), (2, 2) + sharded)}
+
+
 def _per_rank(terms, psi, n, unit=1):
     """The seed's arithmetic: replicated/unit + partitioned/n/unit, summed term by term."""
     psi, n = _check(psi, n)
@@ -52,29 +110,31 @@ def _per_rank(terms, psi, n, unit=1):
     return rep / unit + part / n / unit
 
 
-def baseline_bytes(psi) -> float:
-    """Plain data parallelism: 16Ψ on every rank."""
-    return _per_rank(STAGES["Baseline"], psi, 1)
+def baseline_bytes(psi, k=12) -> float:
+    """Plain data parallelism: (4 + k)Ψ on every rank (16Ψ for Adam)."""
+    return _per_rank(stage_terms(k)["Baseline"], psi, 1)
 
 
-def stage1_bytes(psi, n) -> float:
-    """ZeRO stage 1, 16-bit params: 2Ψ + 2Ψ + 12Ψ/N."""
-    return _per_rank(STAGES["Stage 1"], psi, n)
+def stage1_bytes(psi, n, k=12) -> float:
+    """ZeRO stage 1, 16-bit params: 2Ψ + 2Ψ + kΨ/N (Adam: k = 12)."""
+    return _per_rank(stage_terms(k)["Stage 1"], psi, n)
 
 
-def stage2_bytes(psi, n) -> float:
-    """ZeRO stage 2: 2Ψ + 14Ψ/N."""
-    return _per_rank(STAGES["Stage 2"], psi, n)
+def stage2_bytes(psi, n, k=12) -> float:
+    """ZeRO stage 2: 2Ψ + (2 + k)Ψ/N (Adam: 14Ψ/N)."""
+    return _per_rank(stage_terms(k)["Stage 2"], psi, n)
 
 
-def stage3_bytes(psi, n) -> float:
-    """ZeRO stage 3: 16Ψ/N."""
-    return _per_rank(STAGES["Stage 3"], psi, n)
+def stage3_bytes(psi, n, k=12) -> float:
+    """ZeRO stage 3: (4 + k)Ψ/N (Adam: 16Ψ/N)."""
+    return _per_rank(stage_terms(k)["Stage 3"], psi, n)
 
 
-def stage1_fp32_bytes(psi, n) -> float:
-    """ZeRO stage 1, fp32 params (the param shard is its own master): 4Ψ + 4Ψ + 8Ψ/N."""
-    return _per_rank(STAGE1_FP32, psi, n)
+def stage1_fp32_bytes(psi, n, k=8) -> float:
+    """ZeRO stage 1, fp32 params (the param shard is its own master): 4Ψ + 4Ψ + kΨ/N
+    (Adam: k = 8, its m and v)."""
+    k = _check_k(k)
+    return _per_rank(STAGE1_FP32 if k == 8 else ((4, 4), (k,)), psi, n)
 
 
 def format_param_count(psi) -> str:
@@ -105,26 +165,28 @@ def parse_param_count(text: str) -> int:
     return int(value)
 
 
-def format_table(params, gpu_counts) -> str:
-    """The seed's per-GPU memory table (GB = 1e9 bytes) for ``params`` and each GPU count."""
+def format_table(params, gpu_counts, k=12, label: str | None = None) -> str:
+    """The seed's per-GPU memory table (GB = 1e9 bytes) for ``params`` and each GPU count;
+    ``k``: bytes per parameter of the optimizer's sharded part (``label`` names it in the
+    title; Adam's 12 and no label give the seed's table)."""
     counts = list(gpu_counts)
     for n in counts:
         _check(params, n)
+    terms = stage_terms(k)
+    title = f"Per-GPU memory (GB) for a {format_param_count(params)} parameter model"
     lines = [
-        f"Per-GPU memory (GB) for a {format_param_count(params)} parameter model",
+        title + (f", {label}" if label else ""),
         f"{'GPUs':>6}{'Baseline':>12}{'Stage 1':>11}{'Stage 2':>11}{'Stage 3':>11}",
         "-" * 52,
     ]
     for n in counts:
-        gb = [_per_rank(STAGES[name], params, 1 if name == "Baseline" else n, unit=1e9)
-              for name in STAGES]
+        gb = [_per_rank(terms[name], params, 1 if name == "Baseline" else n, unit=1e9)
+              for name in terms]
         lines.append(f"{n:>6}{gb[0]:>11.1f}G{gb[1]:>10.1f}G{gb[2]:>10.1f}G{gb[3]:>10.1f}G")
     return "\n".join(lines)
 
 
-_BYTE_FIELDS = ("parameters", "gradients", "master_weights", "exp_avg", "exp_avg_sq",
-                "padding", "comm_scratch")
-_FORMULAS = {"float16": stage1_bytes, "bfloat16": stage1_bytes, "float32": stage1_fp32_bytes}
+_BYTE_FIELDS = ("parameters", "gradients", "master_weights", "padding", "comm_scratch")
 
 
 @dataclass(frozen=True)
@@ -132,66 +194,97 @@ class MemoryReport:
     """Bytes one optimizer rank holds; each byte in exactly one category.
 
     ``parameters``/``gradients``: the Ψ real elements of the replicated flat buffers.
-    ``master_weights``/``exp_avg``/``exp_avg_sq``: the real elements of this rank's shard
-    (``master_weights`` is 0 for float32 params). ``padding``: every padding element of all
-    those buffers. ``comm_scratch``: everything else held for a step (staging, reduce buffers).
-    So ``total`` is the nbytes of everything held, and summed over ranks
-    ``total - formula_bytes`` equals ``padding + comm_scratch`` exactly.
+    ``master_weights`` and ``state`` (by state array name, in the rule's order: Adam's
+    ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer`` or nothing; Lion's ``exp_avg``): the
+    real elements of this rank's shard (``master_weights`` is 0 for float32 params).
+    ``padding``: every padding element of all those buffers. ``comm_scratch``: everything else
+    held for a step (staging, reduce buffers). So ``total`` is the nbytes of everything held,
+    and summed over ranks ``total - formula_bytes`` equals ``padding + comm_scratch`` exactly.
+    ``rule``: the update rule's name, for display.
     """
 
     parameters: int
     gradients: int
     master_weights: int
-    exp_avg: int
-    exp_avg_sq: int
+    state: Mapping
     padding: int
     comm_scratch: int
     psi: int
     world_size: int
     rank: int
     param_dtype: str
+    rule: str | None = None
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "world_size", "rank"):
-            value = getattr(self, name)
-            try:
-                if isinstance(value, bool):
-                    raise TypeError
-                value = operator.index(value)
-            except TypeError:
-                raise ValueError(f"MemoryReport.{name}={value!r} must be an integer; "
-                                 f"pass int(...)") from None
-            if value < 0:
-                raise ValueError(f"MemoryReport.{name}={value!r} must be >= 0")
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, _count(f"MemoryReport.{name}", getattr(self, name)))
+        if not isinstance(self.state, Mapping):
+            raise ValueError(f"MemoryReport.state={self.state!r} must map each state array's "
+                             f"name to its bytes, e.g. {{'exp_avg': 4096}}")
+        state = {}
+        for name, value in self.state.items():
+            if not isinstance(name, str) or not name or name in _BYTE_FIELDS:
+                raise ValueError(f"MemoryReport.state has a bad name {name!r}: a rule's state "
+                                 f"array name such as 'exp_avg'")
+            state[name] = _count(f"MemoryReport.state[{name!r}]", value)
+        object.__setattr__(self, "state", state)
         if self.world_size < 1 or self.rank >= self.world_size:
             raise ValueError(f"MemoryReport rank={self.rank} world_size={self.world_size}: "
                              f"need world_size >= 1 and 0 <= rank < world_size")
         if not isinstance(self.param_dtype, str):
             raise ValueError(f"MemoryReport.param_dtype={self.param_dtype!r} must be a dtype "
                              f"name such as 'float16'; pass numpy.dtype(d).name")
+        if self.rule is not None and not isinstance(self.rule, str):
+            raise ValueError(f"MemoryReport.rule={self.rule!r} must be a rule name such as "
+                             f"'adam', or None")
+
+    def __hash__(self):
+        return hash((*(getattr(self, name) for name in _BYTE_FIELDS),
+                     frozenset(self.state.items()), self.psi, self.world_size, self.rank,
+                     self.param_dtype, self.rule))
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, name) for name in _BYTE_FIELDS)
+        return sum(getattr(self, name) for name in _BYTE_FIELDS) + sum(self.state.values())
 
     @property
     def optimizer_state(self) -> int:
-        return self.master_weights + self.exp_avg + self.exp_avg_sq
+        """The sharded bytes: master weights and every state array."""
+        return self.master_weights + sum(self.state.values())
+
+    @property
+    def exp_avg(self) -> int:
+        """``state["exp_avg"]`` (0 for a rule without it)."""
+        return self.state.get("exp_avg", 0)
+
+    @property
+    def exp_avg_sq(self) -> int:
+        """``state["exp_avg_sq"]`` (0 for a rule without it)."""
+        return self.state.get("exp_avg_sq", 0)
+
+    @property
+    def bytes_per_param(self) -> int:
+        """K: the sharded part's bytes per parameter, from the state arrays and the dtype."""
+        return bytes_per_param(self.state, self.param_dtype)
 
     @property
     def formula_bytes(self) -> float:
-        """The stage-1 formula for this dtype: 2Ψ+2Ψ+12Ψ/N (16-bit) or 4Ψ+4Ψ+8Ψ/N (fp32)."""
-        try:
-            formula = _FORMULAS[self.param_dtype]
-        except KeyError:
-            raise ValueError(f"no stage-1 formula for param_dtype={self.param_dtype!r}; "
-                             f"known: {', '.join(_FORMULAS)}") from None
-        return formula(self.psi, self.world_size)
+        """The stage-1 formula for this rule and dtype: 2Ψ+2Ψ+KΨ/N (16-bit; Adam 12Ψ/N) or
+        4Ψ+4Ψ+KΨ/N (fp32; Adam 8Ψ/N)."""
+        k = self.bytes_per_param
+        if self.param_dtype in FP32_DTYPES:
+            return stage1_fp32_bytes(self.psi, self.world_size, k)
+        return stage1_bytes(self.psi, self.world_size, k)
+
+    @property
+    def formula_label(self) -> str:
+        """``2Ψ+2Ψ+12Ψ/N``, ``4Ψ+4Ψ+8Ψ/N``, ...: the formula this report is held to."""
+        replicated = "4Ψ+4Ψ" if self.param_dtype in FP32_DTYPES else "2Ψ+2Ψ"
+        return f"{replicated}+{self.bytes_per_param}Ψ/N"
 
     @property
     def seed_formula_bytes(self) -> float:
-        """The seed's 2Ψ + 2Ψ + 12Ψ/N, whatever the dtype."""
+        """The seed's 2Ψ + 2Ψ + 12Ψ/N, whatever the dtype and rule."""
         return stage1_bytes(self.psi, self.world_size)
 
     def as_dict(self) -> dict:
@@ -200,16 +293,33 @@ class MemoryReport:
 
     def __str__(self) -> str:
         mib = 2.0**20
-        lines = [f"rank {self.rank}/{self.world_size}: {self.psi} {self.param_dtype} parameters",
+        rule = f", {self.rule}" if self.rule else ""
+        lines = [f"rank {self.rank}/{self.world_size}: {self.psi} {self.param_dtype} "
+                 f"parameters{rule}",
                  f"  {'category':<16}{'bytes':>14}{'MiB':>11}"]
-        for name in _BYTE_FIELDS + ("total",):
-            value = getattr(self, name)
+        rows = [(name, getattr(self, name)) for name in _BYTE_FIELDS[:3]]
+        rows += list(self.state.items())
+        rows += [(name, getattr(self, name)) for name in _BYTE_FIELDS[3:] + ("total",)]
+        for name, value in rows:
             lines.append(f"  {name:<16}{value:>14}{value / mib:>11.2f}")
-        if self.param_dtype in _FORMULAS:
+        if self.param_dtype in MIXED_DTYPES + FP32_DTYPES:
             formula = self.formula_bytes
-            label = "4Ψ+4Ψ+8Ψ/N" if self.param_dtype == "float32" else "2Ψ+2Ψ+12Ψ/N"
-            lines.append(f"  {'formula':<16}{formula:>14.0f}{formula / mib:>11.2f}  ({label})")
+            lines.append(f"  {'formula':<16}{formula:>14.0f}{formula / mib:>11.2f}"
+                         f"  ({self.formula_label})")
             diff = self.total - formula
             lines.append(f"  {'difference':<16}{diff:>14.0f}{diff / mib:>11.2f}"
                          f"  (total - formula: padding + scratch)")
         return "\n".join(lines)
+
+
+def _count(what: str, value) -> int:
+    """``value`` as an int >= 0, or a ValueError naming ``what``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what}={value!r} must be an integer; pass int(...)") from None
+    if value < 0:
+        raise ValueError(f"{what}={value!r} must be >= 0")
+    return value

@@ -2,13 +2,19 @@
 
     mpiexec -n N python -m mpi4py tests/cases/memory.py DIR
 
-For fp32 and bf16 parameters and two model sizes Ψ, on every rank:
+For every update rule (AdamW, SGD with and without momentum, Lion, and LAMB when this
+zero1_mpi has ``ZeroLAMB``), fp32 and bf16 parameters and two model sizes Ψ, on every rank:
 - what the optimizer holds after a step equals ``memory_report().total`` (within the few KB of
   Python objects around the arrays);
-- what it holds grows with Ψ exactly as the formula does (2Ψ + 2Ψ + 12Ψ/N, or 4Ψ + 4Ψ + 8Ψ/N
+- the report names the rule's state arrays, its K (bytes per parameter of the sharded part:
+  Adam 12, SGD 8 or 4 without momentum, Lion 8; 4 less for fp32) is the rule's, and summed over
+  ranks each state array and the master weights hold 4 bytes per parameter: every byte of
+  state in its own category once (none reported as padding);
+- what it holds grows with Ψ exactly as the formula does (2Ψ + 2Ψ + KΨ/N, or 4Ψ + 4Ψ + KΨ/N
   for fp32), up to the padding of the last bucket: state that is not sharded (an exp_avg of
   full length, say) grows by Ψ-proportional bytes more and fails;
-- the excess over the formula (padding and scratch) does not grow with Ψ.
+- the excess over the formula (padding and scratch), and padding + scratch as reported, do not
+  grow with Ψ.
 And saving and loading a checkpoint, and exporting and importing the consolidated file, never
 allocate more than ``LIMIT`` on any rank, for a model whose whole state is several times that
 (a save that gathers the state on one rank would exceed it).
@@ -22,28 +28,40 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+import zero1_mpi
 from expect import check
-from zero1_mpi import ZeroAdamW
+from zero1_mpi import ZeroAdamW, ZeroLion, ZeroSGD
 from zero1_mpi.checkpoint import CHUNK
+from zero1_mpi.memory import stage1_bytes, stage1_fp32_bytes
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 SIZES = (300_000, 900_000)      # Ψ: the second adds 600k elements
 PYTHON_OBJECTS = 64 * 1024      # views, layout, dicts around the arrays
 LIMIT = 4 * CHUNK * 4           # 16 MiB: a few chunk buffers, whatever the model size
+DTYPES = ("float32", "bfloat16")
+#: (label, optimizer class or None when absent, options, its state arrays, K per dtype above);
+#: the expectations are written out here, not taken from the rules.
+RULES = (
+    ("adamw", ZeroAdamW, {}, ("exp_avg", "exp_avg_sq"), (8, 12)),
+    ("sgd momentum", ZeroSGD, {"momentum": 0.9}, ("momentum_buffer",), (4, 8)),
+    ("sgd", ZeroSGD, {}, (), (0, 4)),
+    ("lion", ZeroLion, {}, ("exp_avg",), (4, 8)),
+    ("lamb", getattr(zero1_mpi, "ZeroLAMB", None), {}, ("exp_avg", "exp_avg_sq"), (8, 12)),
+)
 
 
 def shapes(psi):
     return {"w": (psi // 1000 - 1, 1000), "b": (1000,), "odd": (psi % 1000 or 1,)}
 
 
-def held_after_a_step(psi, dtype_name):
+def held_after_a_step(psi, dtype_name, make=ZeroAdamW, options=None):
     """(bytes the optimizer holds, measured; its memory_report) after one step."""
     init = {k: np.ones(s, np.float32) for k, s in shapes(psi).items()}
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    opt = ZeroAdamW(init, comm, param_dtype=dtype_name, bucket_elements=1 << 18)
+    opt = make(init, comm, param_dtype=dtype_name, bucket_elements=1 << 18, **(options or {}))
     for g in opt.grads.values():
         g[...] = 1e-3
     opt.step()
@@ -53,24 +71,62 @@ def held_after_a_step(psi, dtype_name):
     return held, opt.memory_report()
 
 
+def check_report_names_the_state(what, psi, report, names, k):
+    """Every byte of state in its own category, once: 4 bytes per parameter per array over
+    all ranks, none of them counted as padding; K and the formula are the rule's."""
+    check(tuple(report.state) == names,
+          f"{what}: memory_report().state names {tuple(report.state)}, expected {names}")
+    check(report.bytes_per_param == k,
+          f"{what}: memory_report().bytes_per_param={report.bytes_per_param}, expected {k}")
+    formula = (stage1_fp32_bytes if report.param_dtype == "float32" else stage1_bytes)
+    check(report.formula_bytes == formula(psi, size, k),
+          f"{what}: formula_bytes={report.formula_bytes}, expected {formula(psi, size, k)}")
+    mixed = report.param_dtype != "float32"
+    sums = comm.allreduce(np.array([report.master_weights] + [report.state[n] for n in names],
+                                   np.int64)).tolist()
+    expected = [4 * psi if mixed else 0] + [4 * psi] * len(names)
+    check(sums == expected, f"{what}: over {size} ranks master_weights and {names} hold "
+                            f"{sums} bytes, expected {expected} (4 per parameter each)")
+
+
 def check_held_memory():
-    for dtype_name in ("float32", "bfloat16"):
-        (small, small_report), (large, large_report) = (held_after_a_step(psi, dtype_name)
-                                                        for psi in SIZES)
-        for held, report in ((small, small_report), (large, large_report)):
-            check(abs(held - report.total) <= PYTHON_OBJECTS,
-                  f"{dtype_name}: memory_report().total={report.total}, measured {held}")
-        grown = large - small
-        formula_grown = large_report.formula_bytes - small_report.formula_bytes
-        padding = 64 * size * 4 * 4  # one bucket's alignment, in every buffer
-        check(abs(grown - formula_grown) <= padding + PYTHON_OBJECTS,
-              f"{dtype_name}: {SIZES[1] - SIZES[0]} more parameters took {grown} bytes more on "
-              f"rank {rank}; the formula says {formula_grown:.0f}")
-        excess = [held - r.formula_bytes for held, r in ((small, small_report),
-                                                          (large, large_report))]
-        check(excess[1] - excess[0] <= padding + PYTHON_OBJECTS,
-              f"{dtype_name}: the excess over the formula grew from {excess[0]:.0f} to "
-              f"{excess[1]:.0f} bytes")
+    gc.collect()
+    gc.freeze()  # the modules' objects: each gc.collect() below walks only what the cases made
+    measured = []
+    for what, make, options, names, ks in RULES:
+        if make is None:
+            continue
+        for dtype_name, k in zip(DTYPES, ks):
+            label = f"{what}, {dtype_name}"
+            (small, small_report), (large, large_report) = (
+                held_after_a_step(psi, dtype_name, make, options) for psi in SIZES)
+            check_memory(label, names, k, (small, small_report), (large, large_report))
+            measured.append((label, large_report))
+    return measured
+
+
+def check_memory(what, names, k, small_pair, large_pair):
+    (small, small_report), (large, large_report) = small_pair, large_pair
+    for psi, (held, report) in zip(SIZES, (small_pair, large_pair)):
+        check(abs(held - report.total) <= PYTHON_OBJECTS,
+              f"{what}: memory_report().total={report.total}, measured {held}")
+        numel = sum(int(np.prod(s)) for s in shapes(psi).values())
+        check(report.psi == numel, f"{what}: memory_report().psi={report.psi}, not {numel}")
+        check_report_names_the_state(what, numel, report, names, k)
+    grown = large - small
+    formula_grown = large_report.formula_bytes - small_report.formula_bytes
+    padding = 64 * size * 4 * 4  # one bucket's alignment, in every buffer
+    check(abs(grown - formula_grown) <= padding + PYTHON_OBJECTS,
+          f"{what}: {SIZES[1] - SIZES[0]} more parameters took {grown} bytes more on "
+          f"rank {rank}; the formula says {formula_grown:.0f}")
+    excess = [held - r.formula_bytes for held, r in (small_pair, large_pair)]
+    check(excess[1] - excess[0] <= padding + PYTHON_OBJECTS,
+          f"{what}: the excess over the formula grew from {excess[0]:.0f} to "
+          f"{excess[1]:.0f} bytes")
+    extra = [r.padding + r.comm_scratch for r in (small_report, large_report)]
+    check(abs(extra[1] - extra[0]) <= padding,
+          f"{what}: padding + comm_scratch grew from {extra[0]} to {extra[1]} bytes on rank "
+          f"{rank}: Ψ-proportional bytes reported as padding or scratch")
 
 
 def peak(fn):
@@ -99,7 +155,14 @@ def check_checkpoint_peaks(directory: Path):
 
 
 if __name__ == "__main__":
-    check_held_memory()
+    measured = check_held_memory()
     check_checkpoint_peaks(Path(sys.argv[1]))
+    reports = comm.gather([r.total for _, r in measured])
     if rank == 0:
+        for i, (label, r) in enumerate(measured):
+            most = max(totals[i] for totals in reports)
+            print(f"{label}: Ψ={r.psi} K={r.bytes_per_param} max held {most} bytes/rank, "
+                  f"formula {r.formula_bytes:.0f} ({r.formula_label})")
+        if getattr(zero1_mpi, "ZeroLAMB", None) is None:
+            print("lamb not measured: this zero1_mpi has no ZeroLAMB")
         print(f"OK measured memory on {size} ranks")
