@@ -191,30 +191,29 @@ def _lion(grad32, grad16, grad_kind, master, m, param16, param_kind, table, scra
 
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="never")
-def _lamb_moments(grad, m, v, grad_scale, beta2, omb1, omb2):
-    """LAMB's moments over one chunk: ``rules.lamb.NumpyLamb._direction``'s operations."""
-    for i in range(m.size):
+def _lamb_direction(grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt, eps,
+                    weight_decay):
+    """LAMB's moments and ``u = m inv_bc1 / (sqrt(v) inv_bc2_sqrt + eps) + wd p`` over one
+    chunk: ``rules.lamb.NumpyLamb._direction``'s operations in its order."""
+    for i in range(p.size):
         g = grad[i] * grad_scale                         # mean gradient
         mi = m[i]
-        m[i] = mi + (g - mi) * omb1                      # m = lerp(m, g, 1 - beta1)
-        v[i] = v[i] * beta2 + (g * g) * omb2             # v = beta2 v + (1 - beta2) g^2
-
-
-@njit(cache=True, error_model="numpy", nogil=True, inline="never")
-def _lamb_direction(p, m, v, u, bc1, bc2_sqrt, eps, weight_decay):
-    """``u = (m / bc1) / (sqrt(v) / bc2_sqrt + eps) + wd p`` over one chunk."""
-    for i in range(p.size):
-        ui = (m[i] / bc1) / (np.sqrt(v[i]) / bc2_sqrt + eps)
+        mi = mi + (g - mi) * omb1                        # m = lerp(m, g, 1 - beta1)
+        vi = v[i] * beta2 + (g * g) * omb2               # v = beta2 v + (1 - beta2) g^2
+        m[i] = mi
+        v[i] = vi
+        ui = (mi * inv_bc1) / (np.sqrt(vi) * inv_bc2_sqrt + eps)
         if weight_decay != 0:
             ui = ui + p[i] * weight_decay
         u[i] = ui
 
 
 @njit(cache=True, error_model="numpy", nogil=True, inline="never")
-def _lamb_step(p, m, v, bc1, bc2_sqrt, eps, weight_decay, neg_step):
-    """``p -= lr r u`` over one chunk, ``u`` recomputed as ``_lamb_direction`` does."""
+def _lamb_step(p, m, v, inv_bc1, inv_bc2_sqrt, eps, weight_decay, neg_step):
+    """``p -= lr r u`` over one chunk, ``u`` recomputed from the new moments as
+    ``_lamb_direction`` computed it."""
     for i in range(p.size):
-        ui = (m[i] / bc1) / (np.sqrt(v[i]) / bc2_sqrt + eps)
+        ui = (m[i] * inv_bc1) / (np.sqrt(v[i]) * inv_bc2_sqrt + eps)
         if weight_decay != 0:
             ui = ui + p[i] * weight_decay
         p[i] = p[i] + ui * neg_step
@@ -222,15 +221,16 @@ def _lamb_step(p, m, v, bc1, bc2_sqrt, eps, weight_decay, neg_step):
 
 @njit(cache=True, error_model="numpy", nogil=True)
 def _lamb_chunk(grad32, grad16, grad_kind, table, scratch, p, m, v, u, grad_scale, beta2,
-                omb1, omb2, bc1, bc2_sqrt, eps, weight_decay):
+                omb1, omb2, inv_bc1, inv_bc2_sqrt, eps, weight_decay):
     grad = _fp32_chunk(grad32, grad16, grad_kind, table, scratch, 0, p.size)
-    _lamb_moments(grad, m, v, grad_scale, beta2, omb1, omb2)
-    _lamb_direction(p, m, v, u, bc1, bc2_sqrt, eps, weight_decay)
+    _lamb_direction(grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt, eps,
+                    weight_decay)
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def _lamb_apply(p, m, v, param16, param_kind, bc1, bc2_sqrt, eps, weight_decay, neg_step):
-    _lamb_step(p, m, v, bc1, bc2_sqrt, eps, weight_decay, neg_step)
+def _lamb_apply(p, m, v, param16, param_kind, inv_bc1, inv_bc2_sqrt, eps, weight_decay,
+                neg_step):
+    _lamb_step(p, m, v, inv_bc1, inv_bc2_sqrt, eps, weight_decay, neg_step)
     _round_params(p, param16, param_kind)
 
 
@@ -333,15 +333,15 @@ class NumbaLamb(NumpyLamb):
         grad32, grad16, kind = _split(grad)
         u = self._u[:p.size]
         _lamb_chunk(grad32, grad16, kind, _FP16_TABLE, self._g, p, m, v, u, f(s.grad_scale),
-                    f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.bc1),
-                    f(s.bc2_sqrt), f(s.eps), f(s.weight_decay))
+                    f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.inv_bc1),
+                    f(s.inv_bc2_sqrt), f(s.eps), f(s.weight_decay))
         return u
 
     def _apply(self, p, m, v, param, s) -> None:
         f = np.float32
         param16 = _NO_U16 if param is None else param.view(np.uint16)
         param_kind = FP32 if param is None else _encoding(param)
-        _lamb_apply(p, m, v, param16, param_kind, f(s.bc1), f(s.bc2_sqrt), f(s.eps),
+        _lamb_apply(p, m, v, param16, param_kind, f(s.inv_bc1), f(s.inv_bc2_sqrt), f(s.eps),
                     f(s.weight_decay), f(s.neg_step))
 
 

@@ -2,7 +2,8 @@
 
 Per owned element, in fp32: ``g = grad * grad_scale``; ``m = lerp(m, g, 1 - beta1)``; ``v =
 beta2 v + (1 - beta2) g^2``; ``u = (m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps) +
-weight_decay * p``. Per whole tensor: ``r = ||p|| / ||u||`` (1 where either norm is 0), and
+weight_decay * p`` (the bias corrections applied as host reciprocals, so one division per
+element). Per whole tensor: ``r = ||p|| / ||u||`` (1 where either norm is 0), and
 ``p -= lr * r * u``. State: ``exp_avg`` and ``exp_avg_sq``, as Adam's.
 
 The norms are over whole tensors while tensors straddle shards and buckets, so the rule runs
@@ -54,7 +55,8 @@ class Lamb:
         return LambScalars(grad_scale=float(grad_scale), beta2=beta2,
                            one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2,
                            eps=options["eps"], weight_decay=options["weight_decay"],
-                           bc1=1.0 - beta1 ** step, bc2_sqrt=math.sqrt(1.0 - beta2 ** step),
+                           inv_bc1=1.0 / (1.0 - beta1 ** step),
+                           inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2 ** step),
                            lr=options["lr"])
 
     @staticmethod
@@ -84,8 +86,8 @@ class LambScalars:
     one_minus_beta2: float
     eps: float
     weight_decay: float
-    bc1: float               # 1 - beta1^t
-    bc2_sqrt: float          # sqrt(1 - beta2^t)
+    inv_bc1: float           # 1 / (1 - beta1^t)
+    inv_bc2_sqrt: float      # 1 / sqrt(1 - beta2^t)
     lr: float
     neg_step: float = 0.0    # -lr * trust ratio, set by Lamb.tensor_scalars
 
@@ -136,12 +138,13 @@ class NumpyLamb:
         return self._update_direction(p, m, v, s)
 
     def _update_direction(self, p, m, v, s: LambScalars):
-        """``u`` from the current moments: ``(m / bc1) / (sqrt(v) / bc2_sqrt + eps) + wd p``."""
+        """``u`` from the current moments: ``m inv_bc1 / (sqrt(v) inv_bc2_sqrt + eps) + wd p``
+        (the bias corrections as reciprocals: one division per element, not three)."""
         t, u = self._t[:p.size], self._u[:p.size]
         np.sqrt(v, out=t)
-        t /= s.bc2_sqrt
+        t *= s.inv_bc2_sqrt
         t += s.eps
-        np.divide(m, s.bc1, out=u)
+        np.multiply(m, s.inv_bc1, out=u)
         u /= t
         if s.weight_decay:
             np.multiply(p, s.weight_decay, out=t)
@@ -159,13 +162,18 @@ class NumpyLamb:
 # The CuPy twin: the moments in one kernel, u^2 summed by a reduction that recomputes u, and
 # the update in a second elementwise kernel; all three share this device function.
 _CUDA_DIRECTION = r"""
-__device__ float zero1_lamb_u(float m, float v, float p, float bc1, float bc2_sqrt, float eps,
-                              float weight_decay) {
-    float denom = sqrtf(v) / bc2_sqrt + eps;
-    return (m / bc1) / denom + p * weight_decay;
+__device__ float zero1_lamb_u(float m, float v, float p, float inv_bc1, float inv_bc2_sqrt,
+                              float eps, float weight_decay) {
+    float denom = sqrtf(v) * inv_bc2_sqrt + eps;
+    return (m * inv_bc1) / denom + p * weight_decay;
+}
+__device__ double zero1_lamb_u_sq(float m, float v, float p, float inv_bc1, float inv_bc2_sqrt,
+                                  float eps, float weight_decay) {
+    double u = zero1_lamb_u(m, v, p, inv_bc1, inv_bc2_sqrt, eps, weight_decay);
+    return u * u;
 }
 """
-_CUDA_SCALARS = "float32 bc1, float32 bc2_sqrt, float32 eps, float32 weight_decay"
+_CUDA_SCALARS = "float32 inv_bc1, float32 inv_bc2_sqrt, float32 eps, float32 weight_decay"
 _cuda_kernels: dict[str, object] = {}
 
 
@@ -184,15 +192,14 @@ def _cuda_kernel(kind: str):
             kernel = cupy.ReductionKernel(
                 "float32 exp_avg, float32 exp_avg_sq, float32 p, " + _CUDA_SCALARS,
                 "float64 total",
-                "(double)zero1_lamb_u(exp_avg, exp_avg_sq, p, bc1, bc2_sqrt, eps, weight_decay)"
-                " * (double)zero1_lamb_u(exp_avg, exp_avg_sq, p, bc1, bc2_sqrt, eps, "
+                "zero1_lamb_u_sq(exp_avg, exp_avg_sq, p, inv_bc1, inv_bc2_sqrt, eps, "
                 "weight_decay)", "a + b", "total = a", "0", "zero1_lamb_u_sq",
                 preamble=_CUDA_DIRECTION)
         else:
             mixed = kind == "mixed"
             update = r"""float p = PARAM;
-                p += zero1_lamb_u(exp_avg, exp_avg_sq, p, bc1, bc2_sqrt, eps, weight_decay)
-                     * neg_step;
+                p += zero1_lamb_u(exp_avg, exp_avg_sq, p, inv_bc1, inv_bc2_sqrt, eps,
+                                  weight_decay) * neg_step;
                 """.replace("PARAM", "master" if mixed else "param")
             body = update + ("master = p; param = (P)p;" if mixed else "param = p;")
             kernel = cupy.ElementwiseKernel(
@@ -226,4 +233,5 @@ class CupyLamb:
 
     @staticmethod
     def _direction_args(s: LambScalars):
-        return tuple(np.float32(x) for x in (s.bc1, s.bc2_sqrt, s.eps, s.weight_decay))
+        return tuple(np.float32(x) for x in (s.inv_bc1, s.inv_bc2_sqrt, s.eps,
+                                             s.weight_decay))
