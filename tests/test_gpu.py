@@ -1,5 +1,5 @@
-"""GPU checks: the CuPy kernel against its NumPy twin, CuPy buffers through the communicator,
-and the multi-rank parity case on CuPy arrays.
+"""GPU checks: each rule's CuPy kernel against its NumPy twin, CuPy buffers through the
+communicator, and the multi-rank parity cases (Adam's, and the other rules') on CuPy arrays.
 
 Skipped where CuPy or a GPU is missing, unless ZERO1_REQUIRE_GPU=1 (``tools/gpu_check.sh``
 sets it), which turns a skip into a failure.
@@ -159,3 +159,44 @@ def test_cupy_lion_kernel_matches_numpy_twin(dtype_name):
     assert max_rel_err(dev["m"].get(), host["m"]) <= 1e-6
     if dtype != np.float32:
         assert max_ulp_diff(dev["param"].get(), host["param"]) <= 1
+
+
+@pytest.mark.parametrize("dtype_name", list(PARAM_DTYPES))
+def test_cupy_lamb_kernel_matches_numpy_twin(dtype_name):
+    """Both phases: the per-piece sums (u^2 by the reduction that recomputes u) and the
+    update, on two pieces of different sizes, against the NumPy twin."""
+    from zero1_mpi.rules.lamb import CupyLamb, Lamb, NumpyLamb
+    dtype = PARAM_DTYPES[dtype_name]
+    rng = np.random.default_rng(4)
+    sizes = (100_003, 77)
+    host = [{"master": rng.standard_normal(n).astype(np.float32),
+             "m": np.zeros(n, np.float32), "v": np.zeros(n, np.float32)} for n in sizes]
+    for piece in host:
+        piece["param"] = piece["master"].astype(dtype) if dtype != np.float32 else None
+    dev = [{k: None if a is None else cupy.asarray(a) for k, a in piece.items()}
+           for piece in host]
+    options = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.01}
+    for step in range(1, 11):
+        s = Lamb.scalars(step, options, 0.5)
+        for h, d, n in zip(host, dev, sizes):
+            grad = rng.standard_normal(n).astype(dtype)
+            want = NumpyLamb().tensor_sums(grad, h["master"], h["m"], h["v"], s)
+            got = CupyLamb().tensor_sums(cupy.asarray(grad), d["master"], d["m"], d["v"], s)
+            np.testing.assert_allclose(got.get(), want, rtol=1e-5)
+            NumpyLamb().apply(h["master"], h["m"], h["v"], h["param"],
+                              Lamb.tensor_scalars(s, want))
+            CupyLamb().apply(d["master"], d["m"], d["v"], d["param"],
+                             Lamb.tensor_scalars(s, want))
+    for h, d in zip(host, dev):
+        assert max_rel_err(d["master"].get(), h["master"]) <= 1e-6
+        assert max_rel_err(d["v"].get(), h["v"]) <= 1e-6
+        if dtype != np.float32:
+            assert max_ulp_diff(d["param"].get(), h["param"]) <= 1
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lion", "lamb"])
+def test_rule_parity_on_cupy_arrays(tmp_path, rule):
+    """The rules' parity case (every dtype, groups, clipping, loss scale, a checkpoint) with
+    the parameters on the GPU, on 2 ranks sharing the devices."""
+    out = run_mpi(2, "parity_rules.py", rule, str(tmp_path), "cupy", timeout=300).stdout
+    assert f"OK {rule} parity:" in out and "(cupy, kernel cupy)" in out

@@ -2,9 +2,9 @@
 torch.optim.SGD, ZeroLion against a float64 Lion, on averaged gradients, for awkward shapes,
 every dtype, each rule's options, param groups, clipping and a fixed loss scale. Also: a
 checkpoint saved here loads and trains on bitwise, and an Adam checkpoint is refused. Run on
-any number of ranks.
+any number of ranks; ``cupy`` puts the parameters on the GPU (picked by node-local rank).
 
-    mpiexec -n N python -m mpi4py tests/cases/parity_rules.py sgd|lion|lamb DIR
+    mpiexec -n N python -m mpi4py tests/cases/parity_rules.py sgd|lion|lamb DIR [cupy]
 """
 
 import sys
@@ -16,7 +16,7 @@ from mpi4py import MPI
 from expect import check
 from reference import ReferenceLAMB, ReferenceLion, ReferenceSGD, close_to_reference
 from zero1_mpi import CheckpointError, ZeroAdam, ZeroLAMB, ZeroLion, ZeroSGD
-from zero1_mpi.backend import resolve_dtype
+from zero1_mpi.backend import resolve_dtype, to_numpy, xp_for
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -35,12 +35,14 @@ RULES = {  # optimizer, reference, option sets, learning rate
              1e-2),
 }
 RULE = sys.argv[1]
+BACKEND = sys.argv[3] if len(sys.argv) > 3 else "numpy"
+xp = xp_for(BACKEND)
 OPTIMIZER, REFERENCE, OPTIONS, LR = RULES[RULE]
 
 
 def init_of(r):
-    return {k: np.random.default_rng([5, r, len(k)]).standard_normal(s).astype(np.float32)
-            for k, s in SHAPES.items()}
+    return {k: xp.asarray(np.random.default_rng([5, r, len(k)]).standard_normal(s)
+                          .astype(np.float32)) for k, s in SHAPES.items()}
 
 
 def grads_of(r, step, dtype):
@@ -65,13 +67,15 @@ def reference(options, groups):
         flat = [k for k in SHAPES if len(SHAPES[k]) < 2]
         ref_groups = [{"names": [k for k in SHAPES if k not in flat]},
                       {"names": flat, "weight_decay": 0.0, "lr": LR / 2}]
-    return REFERENCE(init_of(0), lr=LR, groups=ref_groups, max_grad_norm=5.0, **options)
+    init = {k: to_numpy(v) for k, v in init_of(0).items()}
+    return REFERENCE(init, lr=LR, groups=ref_groups, max_grad_norm=5.0, **options)
 
 
 def train(opt, steps, dtype):
     for step in steps:
         for k, g in grads_of(rank, step, dtype).items():
-            opt.grads[k][...] = (g.astype(np.float32) * opt.loss_scale).astype(dtype)
+            opt.grads[k][...] = xp.asarray((g.astype(np.float32) * opt.loss_scale)
+                                           .astype(dtype))
         opt.step()
 
 
@@ -84,7 +88,7 @@ def check_case(dtype_name, options, groups):
         ref.step({k: np.mean([np.asarray(e[k], np.float64) for e in every], axis=0)
                   for k in SHAPES})
         for k in SHAPES:
-            ok, err = close_to_reference(opt.params[k], ref.params[k], dtype)
+            ok, err = close_to_reference(to_numpy(opt.params[k]), ref.params[k], dtype)
             check(ok, f"{RULE} {dtype_name}/{options}/groups={groups}: step {step}, {k!r} off by "
                       f"{err} on rank {rank} of {size}")
     return opt.kernel
@@ -100,7 +104,8 @@ def check_checkpoints(directory: Path):
     other.load(directory / RULE)
     train(other, range(5, 9), resolve_dtype("bfloat16"))
     for k in SHAPES:
-        check(np.array_equal(other.params[k].view(np.uint16), opt.params[k].view(np.uint16)),
+        check(np.array_equal(to_numpy(other.params[k]).view(np.uint16),
+                             to_numpy(opt.params[k]).view(np.uint16)),
               f"{k!r}: training on after a load differs from the uninterrupted run")
     adam = ZeroAdam(init_of(rank), comm, param_dtype="bfloat16", bucket_elements=1)
     adam.save(directory / "adam")
@@ -113,6 +118,9 @@ def check_checkpoints(directory: Path):
 
 
 def main(directory: Path):
+    if BACKEND == "cupy":
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        xp.cuda.Device(local % xp.cuda.runtime.getDeviceCount()).use()
     cases, kernels = 0, set()
     for dtype_name in ("float32", "float16", "bfloat16"):
         for options in OPTIONS:
@@ -122,7 +130,7 @@ def main(directory: Path):
     check_checkpoints(directory)
     if rank == 0:
         print(f"OK {RULE} parity: {cases} cases x {STEPS} steps on {size} ranks "
-              f"(kernel {'+'.join(sorted(kernels))})")
+              f"({BACKEND}, kernel {'+'.join(sorted(kernels))})")
 
 
 if __name__ == "__main__":
