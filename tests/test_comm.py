@@ -1,9 +1,12 @@
-"""How the communicator decides whether MPI takes GPU buffers, and what it refuses."""
+"""How the communicator decides whether MPI takes GPU buffers (and in which collectives),
+what it refuses, and how a failing collective call of another library reaches every rank."""
 
 import pytest
 from mpi4py import MPI
 
-from zero1_mpi.comm import CUDA_AWARE_ENV, Communicator, query_cuda_support, resolve_cuda_aware
+from mpirun import run_mpi
+from zero1_mpi.comm import (CUDA_AWARE_ENV, DEVICE_STARTED_ENV, Communicator, query_cuda_support,
+                            resolve_cuda_aware, resolve_device_started)
 
 
 def never_asked():
@@ -67,3 +70,22 @@ def test_nccl_communicator_needs_cupy_and_says_so():
     from zero1_mpi.nccl import NcclCommunicator
     with pytest.raises(ImportError, match="NcclCommunicator needs CuPy built with NCCL"):
         NcclCommunicator(MPI.COMM_SELF)
+
+
+def test_started_collectives_take_device_buffers_only_when_told():
+    assert resolve_device_started(None, {}) == (
+        False, "default (device buffers documented for blocking collectives only)")
+    assert resolve_device_started(None, {DEVICE_STARTED_ENV: "1"})[0] is True
+    assert resolve_device_started(True, {DEVICE_STARTED_ENV: "0"}) == (True, "argument")
+    with pytest.raises(ValueError, match=f"{DEVICE_STARTED_ENV}='sometimes'"):
+        resolve_device_started(None, {DEVICE_STARTED_ENV: "sometimes"})
+    comm = Communicator(MPI.COMM_SELF, device_started=True)
+    assert comm.device_started and comm.device_started_source == "argument"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collective_call_failure_reaches_every_rank(n):
+    """One rank's failing call (others blocked inside theirs), a late failure after the
+    others succeeded, and all succeeding; and NCCL's unique id from rank 0 (or its error)."""
+    out = run_mpi(n, "collective_call.py", timeout=120).stdout
+    assert f"OK collective_call on {n} ranks" in out

@@ -12,11 +12,17 @@ step) only on MPI libraries where ``tools/mpi_probe.py`` proved them right in th
 (``PERSISTENT_PROVEN``), and nonblocking ones (``I*``) everywhere else; the
 ``ZERO1_MPI_PERSISTENT`` environment variable or the ``persistent`` argument overrides that.
 Intel MPI 2021's persistent in-place Allgather returns stale blocks, so it is not on the list.
+Device buffers go to a CUDA-aware MPI through blocking collectives only: that is what Open MPI
+documents for device memory (its nonblocking collectives may reduce device memory on the host
+and crash); ``ZERO1_MPI_DEVICE_STARTED=1`` (or ``device_started=True``) lets started ones take
+device buffers where the user's MPI documents it (e.g. MVAPICH2-GDR).
 
 ``agree`` turns an error that some ranks detected into the same exception on every rank, so
 checks made before a collective never leave other ranks waiting. ``abort_on_error`` guards work
 between collectives that one rank alone may fail: it aborts the job rather than leave the other
-ranks waiting forever.
+ranks waiting forever. ``collective_call`` runs another library's collective call (NCCL's
+communicator initialisation) so that one rank's failure reaches every rank, even those still
+blocked inside the call.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import importlib
 import os
 import re
 import sys
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 
@@ -37,6 +45,7 @@ from . import backend
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
 PERSISTENT_ENV = "ZERO1_MPI_PERSISTENT"
+DEVICE_STARTED_ENV = "ZERO1_MPI_DEVICE_STARTED"
 #: (library, lowest version) whose persistent collectives tools/mpi_probe.py found right
 #: against blocking ones, with several requests in flight, on 2 and 4 ranks, in CI.
 PERSISTENT_PROVEN = (("MPICH", (5, 0)), ("Open MPI", (5, 0)))
@@ -136,6 +145,17 @@ def resolve_persistent(explicit: bool | None = None, environ=None,
     return False, f"{described} (not proven: nonblocking)"
 
 
+def resolve_device_started(explicit: bool | None = None, environ=None) -> tuple[bool, str]:
+    """``(started collectives may take device buffers, why)``: explicit setting, environment,
+    else no (Open MPI documents device buffers for blocking collectives only)."""
+    decided = _setting(explicit, "device_started", DEVICE_STARTED_ENV, environ,
+                       "this MPI documents device buffers in nonblocking collectives",
+                       "blocking collectives for device buffers")
+    if decided is not None:
+        return decided
+    return False, "default (device buffers documented for blocking collectives only)"
+
+
 class Communicator:
     """Collectives over an mpi4py intracommunicator, for host and device buffers.
 
@@ -143,7 +163,8 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, cuda_aware: bool | None = None,
-                 persistent: bool | None = None, stage_host: bool = False):
+                 persistent: bool | None = None, device_started: bool | None = None,
+                 stage_host: bool = False):
         comm = MPI.COMM_WORLD if comm is None else comm
         if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
             raise ValueError("comm=MPI.COMM_NULL cannot communicate: pass a communicator this "
@@ -161,18 +182,24 @@ class Communicator:
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
         #: Whether started collectives are MPI-4 persistent ones (else nonblocking), and why.
         self.persistent, self.persistent_source = False, "unresolved"
+        #: Whether started collectives take device buffers (else those run blocking), and why.
+        self.device_started, self.device_started_source = False, "unresolved"
         error = None
         try:
             self.cuda_aware, self.cuda_aware_source = resolve_cuda_aware(cuda_aware)
             self.persistent, self.persistent_source = resolve_persistent(persistent)
+            self.device_started, self.device_started_source = \
+                resolve_device_started(device_started)
         except (TypeError, ValueError) as exc:  # a setting of one rank's environment
             error = exc
         self.agree(error)
-        # A persistent collective matches only persistent ones, and staging turns a started
-        # collective into a blocking one: both choices must be the same on every rank.
-        self.check_same({"persistent": self.persistent, "cuda_aware": self.cuda_aware},
-                        "the communicator's setting", f"set {PERSISTENT_ENV} and "
-                        f"{CUDA_AWARE_ENV} alike on every rank (or unset them)")
+        # A persistent collective matches only persistent ones, and staging or a blocking
+        # device collective turns a started one into a blocking one: the same on every rank.
+        self.check_same({"persistent": self.persistent, "cuda_aware": self.cuda_aware,
+                         "device_started": self.device_started},
+                        "the communicator's setting", f"set {PERSISTENT_ENV}, "
+                        f"{CUDA_AWARE_ENV} and {DEVICE_STARTED_ENV} alike on every rank (or "
+                        "unset them)")
 
     # -- agreement on small Python values ------------------------------------------------------
 
@@ -204,6 +231,51 @@ class Communicator:
                 sys.stderr.flush()
                 self.comm.Abort(1)
             raise
+
+    def collective_call(self, call, what: str, poll_seconds: float = 0.001):
+        """``call()`` on every rank, where ``call`` is another library's collective that blocks
+        until all ranks have called it: a rank whose call raises tells every other rank, and
+        every rank raises that exception (naming the rank), also those still blocked inside
+        their call (left to a daemon thread). Returns ``call()``'s value when all ranks
+        succeeded."""
+        outcomes = self.comm.Dup()  # its own messages, apart from everything else
+        result, failure = {}, {}
+
+        def run():
+            try:
+                result["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - reported to every rank
+                failure["error"] = exc
+
+        worker = threading.Thread(target=run, name=f"zero1_mpi {what}", daemon=True)
+        worker.start()
+        heard = 0
+        while True:
+            if outcomes.iprobe(source=MPI.ANY_SOURCE, tag=0):
+                rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
+                if error is not None:
+                    raise _exception(*error[:2], f"{error[2]} [{what} failed on rank {rank}]")
+                heard += 1
+            elif not worker.is_alive():
+                break
+            else:
+                time.sleep(poll_seconds)
+        error = failure.get("error")
+        told = None if error is None else (type(error).__module__, type(error).__qualname__,
+                                           str(error))
+        for peer in range(self.size):
+            if peer != self.rank:
+                outcomes.isend((self.rank, told), dest=peer, tag=0)
+        if error is not None:
+            raise _exception(*told[:2], f"{told[2]} [{what} failed on rank {self.rank} (this "
+                                        "rank)]") from error
+        while heard < self.size - 1:  # every other rank's outcome: a failure raises here
+            rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
+            if error is not None:
+                raise _exception(*error[:2], f"{error[2]} [{what} failed on rank {rank}]")
+            heard += 1
+        outcomes.Free()
+        return result.get("value")
 
     def check_same(self, value, what: str, fix: str) -> None:
         """Raise ``CollectiveError`` on every rank unless ``value`` is equal on all ranks.
@@ -268,7 +340,7 @@ class Communicator:
 
     def start_reduce_scatter(self, buf) -> Request:
         """Start ``reduce_scatter_sum(buf)``; the returned request's ``wait()`` completes it."""
-        if self._needs_staging(buf):
+        if self._runs_blocking(buf):
             self.reduce_scatter_sum(buf)
             return DONE
         spec = [buf, _reduce_type(buf.dtype)]
@@ -279,7 +351,7 @@ class Communicator:
 
     def start_alltoall(self, send, recv) -> Request:
         """Start ``alltoall(send, recv)``."""
-        if self._needs_staging(send) or self._needs_staging(recv):
+        if self._runs_blocking(send) or self._runs_blocking(recv):
             self.alltoall(send, recv)
             return DONE
         specs = ([_bytes(send), MPI.BYTE], [_bytes(recv), MPI.BYTE])
@@ -289,7 +361,7 @@ class Communicator:
 
     def start_allgather(self, buf) -> Request:
         """Start ``allgather_inplace(buf)``."""
-        if self._needs_staging(buf):
+        if self._runs_blocking(buf):
             self.allgather_inplace(buf)
             return DONE
         spec = [_bytes(buf), MPI.BYTE]
@@ -326,6 +398,13 @@ class Communicator:
 
     def _host_view(self, buf, role: str, copy_in: bool = True, copy_out: bool = True):
         return _Staged(self, buf, role, copy_in, copy_out)
+
+    def _runs_blocking(self, buf) -> bool:
+        """Whether a started collective on ``buf`` runs as a blocking one: staged buffers, and
+        device buffers unless started collectives are allowed them (``device_started``)."""
+        if backend.is_device_array(buf):
+            return not (self.cuda_aware and self.device_started)
+        return self.stage_host
 
     def _needs_staging(self, buf) -> bool:
         if backend.is_device_array(buf):

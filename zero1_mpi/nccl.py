@@ -1,11 +1,15 @@
 """An NCCL communicator for CuPy buffers behind the ``Communicator`` interface (GPU fast path).
 
 Optional: ``ZeroAdam(params, comm=NcclCommunicator(MPI.COMM_WORLD))`` with CuPy parameters.
-Collectives on device buffers run through NCCL (``cupy.cuda.nccl``) on the current CuPy stream,
-with no staging and no CUDA-aware MPI needed; agreement, the few host numbers of each step and
-checkpoint traffic stay on MPI, which also carries NCCL's unique id from rank 0 to the others.
-A started NCCL collective is a CUDA event: ``wait()`` waits for it on the host. Pick each
-rank's GPU (by node-local rank) before building it. Must be built on all ranks.
+Collectives on device buffers run through NCCL (``cupy.cuda.nccl``), with no staging and no
+CUDA-aware MPI needed; agreement, the few host numbers of each step and checkpoint traffic stay
+on MPI, which also carries NCCL's unique id from rank 0 to the others. Blocking collectives run
+on the current CuPy stream. Started ones (``start_*``: the engine's per-bucket reductions and
+gathers) run on a stream of their own, after an event recorded on the current stream (so after
+the kernels that wrote the gradients), and return a request whose ``wait()`` makes the current
+stream wait for them (no host synchronisation); so reductions overlap a backward pass that goes
+on queueing work. Pick each rank's GPU (by node-local rank) before building it. Must be built
+on all ranks; a rank whose NCCL initialisation fails makes every rank raise, none hangs.
 """
 
 from __future__ import annotations
@@ -43,8 +47,10 @@ class NcclCommunicator(Communicator):
         except ImportError as exc:
             error = exc
         self.agree(error)
-        uid = self.comm.bcast(nccl.get_unique_id() if self.rank == 0 else None)
-        self.nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
+        uid = exchange_unique_id(self, nccl.get_unique_id)
+        self.nccl = self.collective_call(lambda: nccl.NcclCommunicator(self.size, uid, self.rank),
+                                         "NCCL's communicator initialisation")
+        self.stream = backend.xp_for("cupy").cuda.Stream(non_blocking=True)
 
     # Device buffers through NCCL; host buffers (tests, checkpoints) through MPI as before.
 
@@ -88,20 +94,30 @@ class NcclCommunicator(Communicator):
     def start_reduce_scatter(self, buf) -> Request:
         if not backend.is_device_array(buf):
             return super().start_reduce_scatter(buf)
-        self.reduce_scatter_sum(buf)
-        return _event()
+        return self._on_own_stream(lambda: self.reduce_scatter_sum(buf))
 
     def start_alltoall(self, send, recv) -> Request:
         if not backend.is_device_array(send):
             return super().start_alltoall(send, recv)
-        self.alltoall(send, recv)
-        return _event()
+        return self._on_own_stream(lambda: self.alltoall(send, recv))
 
     def start_allgather(self, buf) -> Request:
         if not backend.is_device_array(buf):
             return super().start_allgather(buf)
-        self.allgather_inplace(buf)
-        return _event()
+        return self._on_own_stream(lambda: self.allgather_inplace(buf))
+
+    def _on_own_stream(self, collective) -> Request:
+        """Queue ``collective`` on this communicator's stream, after everything queued so far
+        on the current stream; its request orders later work on the current stream after it."""
+        cupy = backend.xp_for("cupy")
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record()
+        self.stream.wait_event(ready)
+        with self.stream:  # the collectives take the current stream: this one, here
+            collective()
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self.stream)
+        return _EventRequest(done)
 
     def _type(self, buf) -> int:
         kind = self._types.get(np.dtype(buf.dtype).name)
@@ -111,7 +127,9 @@ class NcclCommunicator(Communicator):
 
 
 class _EventRequest(Request):
-    """Work queued on a stream, complete when its event is."""
+    """Work queued on another stream, complete when its event is: ``wait()`` makes the current
+    stream wait for it (work queued after ``wait()`` sees the result; the host does not
+    block)."""
 
     def __init__(self, event):
         super().__init__()
@@ -121,14 +139,20 @@ class _EventRequest(Request):
         return self._event.done
 
     def wait(self) -> None:
-        self._event.synchronize()
+        backend.xp_for("cupy").cuda.get_current_stream().wait_event(self._event)
 
 
-def _event() -> Request:
-    cupy = backend.xp_for("cupy")
-    event = cupy.cuda.Event(disable_timing=True)
-    event.record()
-    return _EventRequest(event)
+def exchange_unique_id(comm: Communicator, make_id):
+    """Rank 0's ``make_id()`` (NCCL's unique id) on every rank, through MPI; if it fails there,
+    every rank raises its error instead of waiting."""
+    uid, error = None, None
+    if comm.rank == 0:
+        try:
+            uid = make_id()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            error = exc
+    comm.agree(error)
+    return comm.comm.bcast(uid)
 
 
 def _ptr(buf) -> int:
