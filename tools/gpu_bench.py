@@ -4,7 +4,9 @@ On the GPU, in one run: the effective bandwidth of zero1_mpi's fused CuPy Adam k
 parameters; bf16 parameters with fp32 masters, bf16 and fp32 gradients) against the device's
 measured in-place read-write bandwidth (the best ``x *= c`` pass over fp32, every byte read
 and written once; target >= 90%), beside ``torch.optim.AdamW(fused=True)`` on the same fp32
-problem when torch has CUDA (target: zero1's time <= torch's); and the time of moving one
+problem when torch has CUDA (target: zero1's time <= torch's); the other rules' CuPy kernels
+on fp32 (SGD with momentum beside ``torch.optim.SGD(foreach=True)``, Lion, and LAMB's two
+phases on one tensor, bytes counted as they move them); and the time of moving one
 4M-element bucket through the communicator: staged through pinned host memory, directly (only
 if MPI is CUDA-aware) and through NCCL. Prints markdown tables; ``--json`` writes the numbers.
 """
@@ -27,6 +29,9 @@ from mpi4py import MPI
 from zero1_mpi import Communicator
 from zero1_mpi.backend import BFLOAT16
 from zero1_mpi.rules.adam import AdamScalars, CupyAdam
+from zero1_mpi.rules.lamb import CupyLamb, Lamb
+from zero1_mpi.rules.lion import CupyLion, Lion
+from zero1_mpi.rules.sgd import SGD, CupySGD
 from zero1_mpi.memory import parse_param_count
 
 
@@ -120,6 +125,42 @@ def kernel_rows(n):
     return rows
 
 
+def rule_rows(n):
+    """(what, bytes moved, seconds) for the other rules' CuPy kernels on fp32, beside
+    ``torch.optim.SGD(momentum=0.9, foreach=True)``."""
+    grad, master = cupy.full(n, 1e-3, np.float32), cupy.ones(n, np.float32)
+    m, v = cupy.zeros(n, np.float32), cupy.zeros(n, np.float32)
+    sgd = SGD.scalars(2, {"lr": 1e-4, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
+                          "nesterov": False}, 1.0)
+    lion = Lion.scalars(2, {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 1e-2}, 1.0)
+    lamb = Lamb.scalars(2, {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-6,
+                            "weight_decay": 1e-2}, 1.0)
+    lamb_kernel = CupyLamb()
+
+    def lamb_step():  # both phases, with the sums brought to the host as the engine does
+        sums = lamb_kernel.tensor_sums(grad, master, m, v, lamb).get()
+        lamb_kernel.apply(master, m, v, None, Lamb.tensor_scalars(lamb, sums))
+
+    # SGD, Lion: grad in, param and one state read and written (20 bytes); LAMB: moments (20),
+    # the u^2 and p^2 reductions (12 + 4), the update (8 + 8): 52 bytes.
+    rows = [("zero1 CuPy SGD (momentum), fp32", 20 * n,
+             seconds(lambda: CupySGD(True)(grad, master, m, None, sgd))),
+            ("zero1 CuPy Lion, fp32", 20 * n,
+             seconds(lambda: CupyLion()(grad, master, m, None, lion))),
+            ("zero1 CuPy LAMB, both phases, fp32", 52 * n, seconds(lamb_step))]
+    del grad, master, m, v
+    torch = _torch_cuda()
+    if torch is not None:
+        p = torch.nn.Parameter(torch.ones(n, device="cuda"))
+        p.grad = torch.full((n,), 1e-3, device="cuda")
+        opt = torch.optim.SGD([p], lr=1e-4, momentum=0.9, foreach=True)
+        opt.step()  # the momentum buffer exists from here on
+        rows.append(("torch SGD(momentum, foreach=True), fp32", 20 * n, seconds(opt.step)))
+        del p, opt
+        torch.cuda.empty_cache()
+    return rows
+
+
 def comm_rows():
     """(how, alltoall seconds, allgather seconds) for one 4M-element fp32 bucket on 1 rank."""
     bucket = cupy.ones(1 << 22, np.float32)
@@ -148,14 +189,16 @@ def main(argv=None):
 
     rows = ceiling_rows(n)
     ceiling = max(moved / t for what, moved, t in rows if what.startswith("in-place"))
-    rows += kernel_rows(n)
-    torch_row = next((r for r in rows if r[0].startswith("torch AdamW")), None)
+    rows += kernel_rows(n) + rule_rows(n)
+    torch_rows = {"Adam": next((r for r in rows if r[0].startswith("torch AdamW")), None),
+                  "SGD": next((r for r in rows if r[0].startswith("torch SGD")), None)}
     lines = [f"{device}, {n:,} elements per array; 'of in-place': of the best in-place "
              f"read-write pass ({ceiling / 1e9:.0f} GB/s)", "",
-             "| what | ms | GB/s | of in-place | time vs torch fused AdamW |",
+             "| what | ms | GB/s | of in-place | time vs torch's (fused AdamW, SGD foreach) |",
              "|---|---:|---:|---:|---:|"]
     for what, moved, t in rows:
-        vs_torch = f"{t / torch_row[2]:.2f}x" if torch_row and "Adam" in what else ""
+        ref = next((r for key, r in torch_rows.items() if r and key in what), None)
+        vs_torch = f"{t / ref[2]:.2f}x" if ref else ""
         lines.append(f"| {what} | {t * 1e3:.3f} | {moved / t / 1e9:.0f} | "
                      f"{moved / t / ceiling:.0%} | {vs_torch} |")
     comm = comm_rows()

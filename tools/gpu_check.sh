@@ -60,7 +60,7 @@ check() {  # check NAME TIMEOUT_S COMMAND...: run it, log its output, record pas
 }
 
 check environment 120 "$PY" tools/gpu_env.py
-check test_gpu 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+check test_gpu 420 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 check gpu_bench 180 "$PY" tools/gpu_bench.py --elements 256M --markdown "$OUT_DIR/bench.md" \
   --json "$OUT_DIR/bench.json"
 for dtype in float32 bfloat16; do
