@@ -4,7 +4,8 @@
 # Each check runs under its own timeout and the script goes on after a failure, so one run
 # reports everything; it exits non-zero if any check failed. The checks: the environment (GPU,
 # CuPy, NCCL, MPI and whether it is CUDA-aware), tests/test_gpu.py with ZERO1_REQUIRE_GPU=1
-# (a missing GPU or CuPy fails instead of skipping), tools/gpu_bench.py, the main example on
+# (a missing GPU or CuPy fails instead of skipping), tools/gpu_compile_check.py against the
+# kernel sources CuPy compiled in those tests, tools/gpu_bench.py, the main example on
 # CuPy arrays and, where torch has CUDA, the torch example on DLPack views of CuPy buffers
 # beside the same run with DDP, all multi-rank runs on 2 ranks (they may share a GPU), launched
 # through zero1_mpi.launcher.
@@ -60,7 +61,12 @@ check() {  # check NAME TIMEOUT_S COMMAND...: run it, log its output, record pas
 }
 
 check environment 120 "$PY" tools/gpu_env.py
+# CuPy keeps the CUDA source of every kernel it compiles in this cache, so that afterwards the
+# compile check can prove its sources (what CI compiles without a GPU) are the ones that ran.
+export CUPY_CACHE_DIR=/tmp/zero1-gpu-check-cupy-cache CUPY_CACHE_SAVE_CUDA_SOURCE=1
+rm -rf "$CUPY_CACHE_DIR"
 check test_gpu 420 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+check gpu_compile_check 180 "$PY" tools/gpu_compile_check.py --against "$CUPY_CACHE_DIR"
 check gpu_bench 180 "$PY" tools/gpu_bench.py --elements 256M --markdown "$OUT_DIR/bench.md" \
   --json "$OUT_DIR/bench.json"
 for dtype in float32 bfloat16; do
