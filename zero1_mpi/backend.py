@@ -7,6 +7,8 @@ place that knows the supported dtypes (``float32``, ``float16`` and ``ml_dtypes.
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 
@@ -88,3 +90,36 @@ def copy_from_host(host: np.ndarray, array) -> None:
 
 def to_numpy(array) -> np.ndarray:
     return array.get() if is_device_array(array) else np.asarray(array)
+
+
+_MISSING_HEADER = re.compile(r'could not open source file "([\w.]+)"')
+
+
+def missing_header_error(error: BaseException) -> ImportError | None:
+    """An ImportError naming the extra to install when ``error`` is NVRTC failing to find a
+    CUDA header (``cuda_fp16.h``, ``cuda_bf16.h``: CuPy's 16-bit types need them); else None."""
+    found = _MISSING_HEADER.search(str(error))
+    if found is None:
+        return None
+    return ImportError(
+        f"CuPy could not compile a zero1_mpi kernel: NVRTC found no {found.group(1)} (CUDA's "
+        "headers, which CuPy's float16/bfloat16 types include). Install them with "
+        "pip install 'zero1-mpi[cuda12]' (or [cuda13], matching your CuPy), which brings "
+        "NVRTC and the CUDA runtime headers of one version, or point CUDA_PATH at a CUDA "
+        "toolkit of CuPy's CUDA version")
+
+
+class ExplainedKernel:
+    """A CuPy kernel whose compile failure for a missing CUDA header says what to install."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.kernel(*args, **kwargs)
+        except Exception as exc:
+            better = missing_header_error(exc)
+            if better is None:
+                raise
+            raise better from exc

@@ -25,10 +25,10 @@ def _nccl():
         from cupy.cuda import nccl
     except ImportError as exc:
         raise ImportError("NcclCommunicator needs CuPy built with NCCL: pip install "
-                          "'zero1-mpi[cuda12]' (or [cuda13]) and nvidia-nccl-cu12") from exc
+                          "'zero1-mpi[cuda12,nccl12]' (or [cuda13,nccl13])") from exc
     if not getattr(nccl, "available", True):  # CuPy imports it even where libnccl is missing
         raise ImportError("NcclCommunicator needs the NCCL library, which CuPy did not find: "
-                          "pip install nvidia-nccl-cu12 (or -cu13, matching CuPy's CUDA)")
+                          "pip install 'zero1-mpi[nccl12]' (or [nccl13], matching CuPy's CUDA)")
     return nccl
 
 

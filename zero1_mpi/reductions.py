@@ -80,9 +80,10 @@ class CupyReductions:
 
     def sum_of_squares(self, x):
         if CupyReductions._kernel is None:
-            CupyReductions._kernel = backend.xp_for("cupy").ReductionKernel(
+            kernel = backend.xp_for("cupy").ReductionKernel(
                 "T x", "float64 total", "(double)(float)x * (double)(float)x", "a + b",
                 "total = a", "0", "zero1_sum_of_squares")
+            CupyReductions._kernel = backend.ExplainedKernel(kernel)
         return CupyReductions._kernel(x)
 
     @staticmethod

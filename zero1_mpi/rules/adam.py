@@ -165,7 +165,8 @@ def _cuda_kernel(kind: str):
             out, body = "float32 master, float32 exp_avg, float32 exp_avg_sq, P param", _CUDA_MIXED
         else:
             out, body = "float32 param, float32 exp_avg, float32 exp_avg_sq", _CUDA_FP32
-        _cuda_kernels[kind] = cupy.ElementwiseKernel(_CUDA_IN, out, body, f"zero1_adam_{kind}")
+        _cuda_kernels[kind] = backend.ExplainedKernel(
+            cupy.ElementwiseKernel(_CUDA_IN, out, body, f"zero1_adam_{kind}"))
     return _cuda_kernels[kind]
 
 

@@ -206,7 +206,7 @@ def _cuda_kernel(kind: str):
                 "float32 exp_avg, float32 exp_avg_sq, " + _CUDA_SCALARS + ", float32 neg_step",
                 "float32 master, P param" if mixed else "float32 param", body,
                 f"zero1_lamb_{kind}", preamble=_CUDA_DIRECTION)
-        _cuda_kernels[kind] = kernel
+        _cuda_kernels[kind] = backend.ExplainedKernel(kernel)
     return _cuda_kernels[kind]
 
 

@@ -123,8 +123,9 @@ def _cuda_kernel(mixed: bool):
         else:
             out, body = "float32 param, float32 exp_avg", \
                 "float p = param;" + _CUDA_MATH + "    param = p;\n"
-        _cuda_kernels[mixed] = backend.xp_for("cupy").ElementwiseKernel(
-            _CUDA_IN, out, body, f"zero1_lion_{'mixed' if mixed else 'fp32'}")
+        name = f"zero1_lion_{'mixed' if mixed else 'fp32'}"
+        _cuda_kernels[mixed] = backend.ExplainedKernel(
+            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name))
     return _cuda_kernels[mixed]
 
 

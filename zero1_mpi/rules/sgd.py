@@ -158,9 +158,9 @@ def _cuda_kernel(mixed: bool, has_buffer: bool):
         else:
             out = f"float32 param{buffer}"
             body = "float p = param;" + math_ + "    param = p;\n"
-        _cuda_kernels[key] = backend.xp_for("cupy").ElementwiseKernel(
-            _CUDA_IN, out, body, f"zero1_sgd_{'mixed' if mixed else 'fp32'}"
-                                 f"{'_momentum' if has_buffer else ''}")
+        name = f"zero1_sgd_{'mixed' if mixed else 'fp32'}{'_momentum' if has_buffer else ''}"
+        _cuda_kernels[key] = backend.ExplainedKernel(
+            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name))
     return _cuda_kernels[key]
 
 
