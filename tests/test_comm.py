@@ -89,3 +89,10 @@ def test_collective_call_failure_reaches_every_rank(n):
     others succeeded, and all succeeding; and NCCL's unique id from rank 0 (or its error)."""
     out = run_mpi(n, "collective_call.py", timeout=120).stdout
     assert f"OK collective_call on {n} ranks" in out
+
+
+def test_collective_call_on_one_rank_returns_or_raises_naming_it():
+    comm = Communicator(MPI.COMM_SELF)
+    assert comm.collective_call(lambda: 5, "the call") == 5
+    with pytest.raises(ZeroDivisionError, match=r"the call failed on rank 0 \(this rank\)"):
+        comm.collective_call(lambda: 1 / 0, "the call")
