@@ -2,14 +2,15 @@
 
 A checkpoint *root* directory holds complete checkpoints ``ckpt-<step>-<time>/`` and a file
 ``LATEST`` naming the current one. A checkpoint is ``manifest.json`` plus one
-``shard-<rank>.npy`` per saving rank: a float32 array whose rows are the master weights, the
-update rule's state (Adam: exp_avg, exp_avg_sq) and, for 16-bit parameters, the parameters as
-exact fp32 values, over the flat ranges that rank owned. The manifest lists every file with its
+``shard-<k>.npy`` per shard (written by the ranks of the first shard group; with hierarchical
+sharding the other groups hold replicas): a float32 array whose rows are the master weights,
+the update rule's state (Adam: exp_avg, exp_avg_sq) and, for 16-bit parameters, the parameters
+as exact fp32 values, over the flat ranges that shard holds. The manifest lists every file with its
 ranges, size and SHA-256, and the rule, its rows, the layout, step, options and loss-scaler
 state; only an optimizer of the same rule loads it. The optimizer's state is read and written
 through its public ``shard_state`` and ``gather_params``. Flat positions do not depend on the
-world size (tensors are packed from 0 and only the end is padded), so any number of ranks can
-load any checkpoint.
+world size (tensors are packed from 0 and only the end is padded), so any number of ranks, in
+shard groups of any size, can load any checkpoint.
 
 ``save`` writes into a hidden temporary directory; every rank syncs its file; then rank 0
 writes the manifest, renames the directory into place and replaces ``LATEST`` (atomic renames,
@@ -68,12 +69,13 @@ def save(opt, path, keep: int | None = None) -> Path:
     tmp = root / comm.comm.bcast(tmp_name)
 
     info = error = None
-    try:
-        info = _write_shard(opt, tmp / f"shard-{comm.rank:05d}.npy")
+    name = f"shard-{opt.shard_rank:05d}.npy"
+    try:  # one copy of the state: the first shard group writes it (the others replicate it)
+        info = _write_shard(opt, tmp / name) if opt.rank < opt.shard_group_size else None
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
-        error = CheckpointError(f"cannot write {tmp.name}/shard-{comm.rank:05d}.npy: {exc}")
+        error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
     comm.agree(error)
-    infos = comm.comm.gather(info, root=0)
+    infos = [i for i in comm.comm.gather(info, root=0) or [] if i is not None]
 
     final = error = None
     if comm.rank == 0:
@@ -108,7 +110,7 @@ def check_rule(opt, saved_rule, where) -> None:
 
 
 def _write_shard(opt, file: Path) -> dict:
-    ranges = opt.layout.owned(opt.rank)
+    ranges = opt.layout.owned(opt.shard_rank)
     count = sum(hi - lo for lo, hi, _ in ranges)
     header = io.BytesIO()
     np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False,
@@ -136,7 +138,8 @@ def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
     manifest = {
         "format": FORMAT, "version": VERSION, "saved_at": time.time(),
         "fingerprint": fingerprint(opt),
-        "world_size": opt.world_size, "step": opt.step_count,
+        "world_size": opt.world_size, "shard_group_size": opt.shard_group_size,
+        "step": opt.step_count,
         "param_dtype": opt.param_dtype.name, "numel": opt.layout.numel,
         "rule": opt.rule.name, "rows": rows(opt),
         "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
@@ -208,7 +211,7 @@ def load(opt, path) -> Path:
         if manifest.get("fingerprint") != fingerprint(opt):
             raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the "
                                   "optimizer's")
-        reads = plan_reads(opt.layout.owned(opt.rank), manifest["files"])
+        reads = plan_reads(opt.layout.owned(opt.shard_rank), manifest["files"])
         needed = {read[0] for read in reads}
         for index, entry in enumerate(manifest["files"]):
             if entry["file"] in needed:

@@ -318,6 +318,28 @@ class Communicator:
         self.comm.Allreduce(MPI.IN_PLACE, values, MPI.SUM)
         return values
 
+    def allreduce_inplace(self, buf) -> None:
+        """``buf`` = its sum over ranks, in place (float32, float16 or float64; blocking)."""
+        mpi_type = _reduce_type(buf.dtype)
+        with self._host_view(buf, "allreduce") as host:
+            self.comm.Allreduce(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
+
+    def split(self, color: int) -> Communicator:
+        """The ranks passing the same ``color``, in this communicator's rank order, as a
+        ``Communicator`` with this one's settings. Must be called on all ranks."""
+        return Communicator(self.comm.Split(color, self.rank), cuda_aware=self.cuda_aware,
+                            persistent=self.persistent, device_started=self.device_started,
+                            stage_host=self.stage_host)
+
+    def node_ranks(self) -> list[int]:
+        """The ranks of this communicator that share this rank's memory (its node), from
+        ``MPI.COMM_TYPE_SHARED``. Must be called on all ranks."""
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return local.allgather(self.rank)
+        finally:
+            local.Free()
+
     def send(self, buf: np.ndarray, dest: int) -> None:
         """Point to point, host buffers only (streaming checkpoints to one writer)."""
         self.comm.Send(buf, dest=dest)

@@ -67,11 +67,16 @@ class ShardedOptimizer:
             ``"float16"`` (float16 gradients only) sums in MPI's float16 reduction.
         bucket_elements: size of a communication bucket, in elements.
         cuda_aware: whether MPI takes GPU buffers; None asks the environment and MPI.
+        shard_group_size: shard the state over groups of this many consecutive ranks and
+            replicate it across the groups (None: all ranks, one group; ``"node"``: the ranks
+            that share memory). The gradients are reduce-scattered within a group, the shard
+            summed across the groups, and the parameters all-gathered within the group.
     """
 
     def __init__(self, params, comm, rule, defaults: dict, *, param_dtype=None,
                  loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
-                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None):
+                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
+                 shard_group_size=None):
         if isinstance(comm, Communicator):
             if cuda_aware is not None:
                 raise ValueError("cuda_aware= applies to a communicator this optimizer builds: "
@@ -80,10 +85,15 @@ class ShardedOptimizer:
         else:
             self.comm = Communicator(comm, cuda_aware=cuda_aware)
         size = self.comm.size
+        # "node" asks MPI (a collective): only once every rank is known to ask.
+        self.comm.check_same(repr(shard_group_size), "shard_group_size",
+                             "pass the same shard_group_size on every rank")
+        node = self.comm.node_ranks() if shard_group_size == "node" else None
 
         self.rule = rule
         error = None
         try:
+            group_size = resolve_shard_group_size(shard_group_size, size, node, self.comm)
             settings = rule.settings()
             groups, arrays = normalize_groups(params, defaults, rule)
             dtype, backend_name = check_arrays(arrays, param_dtype)
@@ -91,8 +101,8 @@ class ShardedOptimizer:
             max_grad_norm = check_max_grad_norm(max_grad_norm)
             scaler = LossScaler.from_option(loss_scale)
             kernel = "cupy" if backend_name == "cupy" else resolve_cpu_kernel()
-            layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()}, size,
-                                  dtype.name, bucket_elements=bucket_elements,
+            layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()},
+                                  group_size, dtype.name, bucket_elements=bucket_elements,
                                   group_sizes=[len(g["names"]) for g in groups])
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = exc
@@ -102,9 +112,17 @@ class ShardedOptimizer:
              "param group options": [self._options(g) for g in groups],
              "reduce_dtype": reduce_dtype,
              "max_grad_norm": max_grad_norm, "loss_scale": scaler,
-             "bucket_elements": bucket_elements},
+             "bucket_elements": bucket_elements, "shard_group_size": group_size},
             "an option", "construct the optimizer with the same arguments on every rank")
         _check_layouts_agree(self.comm, layout)
+        #: Ranks per shard group (K), this rank's position in its group (which shard of each
+        #: bucket it owns), and how many groups hold a replica of the state (N / K).
+        self.shard_group_size, self.shard_rank = group_size, self.rank % group_size
+        self.replicas, self._replica = size // group_size, self.rank // group_size
+        # Collectives within the group (reduce-scatter, all-gather) and across the groups (the
+        # sum of a shard over its replicas): the whole communicator when there is one group.
+        self.shard_comm = self.comm if self.replicas == 1 else self.comm.split(self._replica)
+        self.replica_comm = None if self.replicas == 1 else self.comm.split(self.shard_rank)
 
         self.layout = layout
         self.param_dtype = dtype
@@ -205,7 +223,9 @@ class ShardedOptimizer:
             reduced = [self._finish_reduction(b.index) for b in self.layout.buckets]
             self._new_round()
             reduced_at = clock()
-            sum_sq = float(sum(self._reductions.sum_of_squares(r) for r in reduced))
+            # Replicas hold the same sums: the norm counts one of them.
+            sum_sq = float(sum(self._reductions.sum_of_squares(r) for r in reduced)) \
+                if self._replica == 0 else 0.0
             # One Allreduce: the norm (inf/nan if any rank overflowed), whether any rank found
             # a bad option, and whether all ranks hold the same options (sum h and sum h^2).
             totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options]
@@ -253,7 +273,7 @@ class ShardedOptimizer:
                 else:
                     self._update_shard(bucket, grads, scalars)
                 t1 = clock()
-                self._gathers.append(self.comm.start_allgather(
+                self._gathers.append(self.shard_comm.start_allgather(
                     self._params[bucket.offset:bucket.offset + bucket.size]))
                 update, gather = update + t1 - t0, gather + clock() - t1
             self.zero_grad()
@@ -269,7 +289,7 @@ class ShardedOptimizer:
 
     def shard_state(self, lo: int, hi: int, state: int) -> dict:
         """This rank's state over the flat parameter range ``[lo, hi)``, a range it owns that
-        starts at ``state`` in its shard arrays (``layout.owned(rank)`` lists them): views by
+        starts at ``state`` in its shard arrays (``layout.owned(shard_rank)`` lists them): views by
         name, ``"master"`` (fp32 parameters; for fp32 parameters the parameter buffer itself),
         each of the rule's ``state_names``, and for 16-bit parameters ``"param"``. Writing into
         them changes the optimizer; call ``gather_params()`` afterwards on all ranks."""
@@ -284,7 +304,8 @@ class ShardedOptimizer:
         """All-gather every bucket of the parameters, blocking (after writing shard_state()).
         Must be called on all ranks."""
         for bucket in self.layout.buckets:
-            self.comm.allgather_inplace(self._params[bucket.offset:bucket.offset + bucket.size])
+            self.shard_comm.allgather_inplace(
+                self._params[bucket.offset:bucket.offset + bucket.size])
 
     def save(self, path, keep: int | None = None):
         """Write a sharded checkpoint under the directory ``path`` (each rank writes its own
@@ -316,7 +337,7 @@ class ShardedOptimizer:
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured from the arrays it allocated."""
         layout, psi = self.layout, self.layout.numel
-        owned = layout.owned_real(self.rank)
+        owned = layout.owned_real(self.shard_rank)
         arrays = [self._master, *self._state.values()]
         held = self._params.nbytes + self._grads.nbytes + sum(a.nbytes for a in arrays
                                                               if a is not None)
@@ -329,8 +350,8 @@ class ShardedOptimizer:
             + self._reductions.scratch_bytes
         return MemoryReport(**real, state=state,
                             padding=held - sum(real.values()) - sum(state.values()),
-                            comm_scratch=scratch, psi=psi, world_size=self.world_size,
-                            rank=self.rank, param_dtype=self.param_dtype.name,
+                            comm_scratch=scratch, psi=psi, world_size=self.shard_group_size,
+                            rank=self.shard_rank, param_dtype=self.param_dtype.name,
                             rule=self.rule.name)
 
     # -- internals ---------------------------------------------------------------------------
@@ -346,7 +367,7 @@ class ShardedOptimizer:
         self.params = _Views(self._views(self._params), before_read=self.wait)
         self.grads = _Views(self._views(self._grads))
         self._exchange_16bit = (self._mixed and self.reduce_dtype == "float32"
-                                and self.world_size > 1)
+                                and self.shard_group_size > 1)
         # 16-bit exchanges land in receive slots; two let one bucket's sum run while the next
         # bucket's exchange is in flight.
         slots = min(2, len(layout.buckets)) if self._exchange_16bit else 0
@@ -361,7 +382,8 @@ class ShardedOptimizer:
         self._gathers = []
         self._new_round()
         # Persistent requests hold these buffers: free them when the optimizer goes.
-        weakref.finalize(self, self.comm.close, [self._params, self._grads, self._received])
+        weakref.finalize(self, self.shard_comm.close,
+                         [self._params, self._grads, self._received])
         largest = max(b.shard_size for b in layout.buckets)
         self._kernel = self.rule.kernel(self.kernel, largest)
         self._tensor_sums = getattr(self.rule, "tensor_sums", 0)
@@ -389,7 +411,7 @@ class ShardedOptimizer:
             self.comm.bcast(target)
             if self._mixed:
                 self._params[span] = target.astype(self.param_dtype)
-                lo, hi = bucket.shard(self.rank)
+                lo, hi = bucket.shard(self.shard_rank)
                 self._master[bucket.state] = target[lo - bucket.offset:hi - bucket.offset]
 
     def _check_param_groups(self) -> tuple[str | None, int]:
@@ -418,17 +440,17 @@ class ShardedOptimizer:
         bucket = self.layout.buckets[index]
         grads = self._grads[bucket.offset:bucket.offset + bucket.size]
         self._next_start = index - 1
-        if self.world_size == 1:
+        if self.shard_group_size == 1:
             self._reduced[index] = grads
         elif not self._exchange_16bit:
-            self._started[index] = (self.comm.start_reduce_scatter(grads), None)
+            self._started[index] = (self.shard_comm.start_reduce_scatter(grads), None)
         else:
             slot = index % len(self._received)
             if self._slot_owner[slot] is not None:
                 self._finish_reduction(self._slot_owner[slot])
             self._slot_owner[slot] = index
             received = self._received[slot, :bucket.size]
-            self._started[index] = (self.comm.start_alltoall(grads, received), slot)
+            self._started[index] = (self.shard_comm.start_alltoall(grads, received), slot)
 
     def _finish_reduction(self, index: int):
         """This rank's shard of bucket ``index``'s gradients, summed over ranks.
@@ -443,18 +465,20 @@ class ShardedOptimizer:
         bucket = self.layout.buckets[index]
         grads = self._grads[bucket.offset:bucket.offset + bucket.size]
         if slot is None:
-            reduced = self.comm.reduced_block(grads)
+            reduced = self.shard_comm.reduced_block(grads)
         else:
-            reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / N
-            blocks = self._received[slot, :bucket.size].reshape(self.world_size, -1)
+            reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / K
+            blocks = self._received[slot, :bucket.size].reshape(self.shard_group_size, -1)
             self._reductions.sum_blocks(blocks, reduced)
             self._slot_owner[slot] = None
+        if self.replicas > 1:  # the group's sum, summed over the groups that replicate it
+            self.replica_comm.allreduce_inplace(reduced)
         self._reduced[index] = reduced
         return reduced
 
     def _update_shard(self, bucket, grads, scalars) -> None:
         """The fused kernel over this rank's shard of ``bucket``, one launch per param group."""
-        lo, hi = bucket.shard(self.rank)
+        lo, hi = bucket.shard(self.shard_rank)
         for (group_lo, group_hi), s in zip(self.layout.groups, scalars):
             a, b = max(lo, group_lo) - lo, min(hi, group_hi) - lo
             if a < b:
@@ -464,7 +488,7 @@ class ShardedOptimizer:
     def _tensor_pieces(self, bucket) -> list[tuple[int, int, int, int]]:
         """``(tensor index, group index, a, b)`` for each piece ``[a, b)`` of a tensor in this
         rank's shard of ``bucket`` (positions within the shard; padding left out)."""
-        lo, hi = bucket.shard(self.rank)
+        lo, hi = bucket.shard(self.shard_rank)
         starts = [group_lo for group_lo, _ in self.layout.groups]
         pieces = []
         for index, t in enumerate(self.layout.tensors):
@@ -477,7 +501,7 @@ class ShardedOptimizer:
     def _shard_arrays(self, bucket, a: int, b: int) -> tuple:
         """``(master, states, param or None)`` over ``[a, b)`` of this rank's shard of
         ``bucket``; for fp32 parameters the master is the parameter range itself."""
-        lo, _ = bucket.shard(self.rank)
+        lo, _ = bucket.shard(self.shard_rank)
         st = slice(bucket.state.start + a, bucket.state.start + b)
         states = [state[st] for state in self._state.values()]
         if self._mixed:
@@ -498,8 +522,8 @@ class ShardedOptimizer:
                                                         scalars[group])
                 group_of[index] = group
         totals = backend.to_numpy(sums)
-        if self.world_size > 1:
-            totals = self.comm.allreduce_sum(totals)
+        if self.shard_group_size > 1:  # the group's shards cover every tensor once
+            totals = self.shard_comm.allreduce_sum(totals)
         return {index: self.rule.tensor_scalars(scalars[group], totals[index])
                 for index, group in group_of.items()}
 
@@ -531,6 +555,33 @@ class _Views(Mapping):
 
     def __len__(self):
         return len(self._views)
+
+
+def resolve_shard_group_size(value, size: int, node_ranks, comm) -> int:
+    """K, the ranks per shard group, for ``shard_group_size=value`` on ``size`` ranks
+    (``node_ranks``: the ranks sharing this rank's node, for ``"node"``), or a ValueError
+    naming the value and the fix."""
+    if value is None:
+        return size
+    if type(comm) is not Communicator and value != size:
+        raise ValueError(f"shard_group_size={value!r} needs sub-communicators, which "
+                         f"{type(comm).__name__} cannot make yet: use zero1_mpi.Communicator "
+                         "(MPI) or shard over all ranks")
+    if value == "node":
+        k = len(node_ranks)
+        if node_ranks != list(range(node_ranks[0], node_ranks[0] + k)) or node_ranks[0] % k:
+            raise ValueError(f"shard_group_size='node': this node holds ranks {node_ranks}, "
+                             "not a block of consecutive ranks starting at a multiple of its "
+                             "size: place ranks by node (mpiexec -ppn K, srun "
+                             "--distribution=block) or pass an integer")
+        value = k
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or size % value:
+        raise ValueError(f"shard_group_size={value!r} must divide the {size} ranks (or be None "
+                         "for all of them, or 'node')")
+    if value == 1 and size > 1:
+        raise ValueError("shard_group_size=1 keeps the whole state on every rank (plain data "
+                         "parallelism): use 2 or more")
+    return value
 
 
 def _reductions(kind: str, largest: int):

@@ -99,7 +99,7 @@ def load_consolidated(opt, path) -> Path:
     with comm.abort_on_error(f"while reading {file}"), open(file, "rb") as f:
         xp = backend.xp_for(opt.backend)
         buffer = np.empty(CHUNK, np.float32)
-        for lo, hi, state in opt.layout.owned(comm.rank):
+        for lo, hi, state in opt.layout.owned(opt.shard_rank):
             for tensor, a, b in opt.layout.pieces(lo, hi):
                 for start in range(a, b, CHUNK):
                     stop = min(b, start + CHUNK)

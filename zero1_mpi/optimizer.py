@@ -25,19 +25,21 @@ class ZeroAdam(ShardedOptimizer):
             intracommunicator (``MPI.COMM_WORLD`` when None) or a ``Communicator``.
         lr, betas, eps, weight_decay: as in ``torch.optim.Adam``; defaults for the groups.
         decoupled_weight_decay: AdamW's decay (``p *= 1 - lr * wd``) instead of L2.
-        param_dtype, loss_scale, max_grad_norm, reduce_dtype, bucket_elements, cuda_aware: see
-            ``ShardedOptimizer``.
+        param_dtype, loss_scale, max_grad_norm, reduce_dtype, bucket_elements, cuda_aware,
+            shard_group_size: see ``ShardedOptimizer``.
     """
 
     def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, *, decoupled_weight_decay=False, param_dtype=None,
                  loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
-                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None):
+                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
+                 shard_group_size=None):
         super().__init__(params, comm, Adam(decoupled_weight_decay),
                          {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
                          param_dtype=param_dtype, loss_scale=loss_scale,
                          max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
-                         bucket_elements=bucket_elements, cuda_aware=cuda_aware)
+                         bucket_elements=bucket_elements, cuda_aware=cuda_aware,
+                         shard_group_size=shard_group_size)
 
     @property
     def decoupled_weight_decay(self) -> bool:
@@ -65,13 +67,15 @@ class ZeroSGD(ShardedOptimizer):
     def __init__(self, params, comm=None, lr=1e-3, momentum=0.0, dampening=0.0,
                  weight_decay=0.0, nesterov=False, *, param_dtype=None, loss_scale=None,
                  max_grad_norm=None, reduce_dtype="float32",
-                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None):
+                 bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
+                 shard_group_size=None):
         super().__init__(params, comm, SGD(_wants_momentum(params, momentum)),
                          {"lr": lr, "momentum": momentum, "dampening": dampening,
                           "weight_decay": weight_decay, "nesterov": nesterov},
                          param_dtype=param_dtype, loss_scale=loss_scale,
                          max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
-                         bucket_elements=bucket_elements, cuda_aware=cuda_aware)
+                         bucket_elements=bucket_elements, cuda_aware=cuda_aware,
+                         shard_group_size=shard_group_size)
 
 
 class ZeroLion(ShardedOptimizer):
@@ -81,12 +85,13 @@ class ZeroLion(ShardedOptimizer):
     def __init__(self, params, comm=None, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  param_dtype=None, loss_scale=None, max_grad_norm=None,
                  reduce_dtype="float32", bucket_elements=DEFAULT_BUCKET_ELEMENTS,
-                 cuda_aware=None):
+                 cuda_aware=None, shard_group_size=None):
         super().__init__(params, comm, Lion(),
                          {"lr": lr, "betas": betas, "weight_decay": weight_decay},
                          param_dtype=param_dtype, loss_scale=loss_scale,
                          max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
-                         bucket_elements=bucket_elements, cuda_aware=cuda_aware)
+                         bucket_elements=bucket_elements, cuda_aware=cuda_aware,
+                         shard_group_size=shard_group_size)
 
 
 class ZeroLAMB(ShardedOptimizer):
@@ -99,12 +104,13 @@ class ZeroLAMB(ShardedOptimizer):
     def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, *, param_dtype=None, loss_scale=None, max_grad_norm=None,
                  reduce_dtype="float32", bucket_elements=DEFAULT_BUCKET_ELEMENTS,
-                 cuda_aware=None):
+                 cuda_aware=None, shard_group_size=None):
         super().__init__(params, comm, Lamb(),
                          {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
                          param_dtype=param_dtype, loss_scale=loss_scale,
                          max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
-                         bucket_elements=bucket_elements, cuda_aware=cuda_aware)
+                         bucket_elements=bucket_elements, cuda_aware=cuda_aware,
+                         shard_group_size=shard_group_size)
 
 
 def _wants_momentum(params, momentum) -> bool:
