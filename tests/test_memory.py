@@ -424,3 +424,20 @@ def test_allocations_measured_with_tracemalloc_follow_the_formula(tmp_path, n):
         assert f"\n{label}, bfloat16: " in out and f"\n{label}, float32: " in out
     if getattr(zero1_mpi, "ZeroLAMB", None) is not None:
         assert "\nlamb, bfloat16: " in out
+
+
+def test_table_for_hierarchical_sharding_divides_by_the_group():
+    from zero1_mpi.memory import format_table
+    table = format_table(7e9, [4, 8, 64], shard_group=8).splitlines()
+    assert table[0].endswith("sharded within groups of 8 GPUs")
+    rows = {int(line.split()[0]): line.split()[1:] for line in table[3:]}
+    assert sorted(rows) == [8, 64]  # 8 does not divide 4: no row
+    # 2Ψ + 2Ψ + 12Ψ/8 at N = 8 and at N = 64 alike; stage 3: 16Ψ/8
+    assert rows[64] == rows[8] == ["112.0G", "38.5G", "26.2G", "14.0G"]
+    assert format_table(7e9, [8], shard_group=None) != format_table(7e9, [8], shard_group=4)
+
+
+def test_memory_table_tool_takes_shard_group(tool, capsys):
+    assert tool.main(["--shard-group", "4", "--gpus", "4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded within groups of 4 GPUs" in out and "49.0G" in out  # 4Ψ + 12Ψ/4 at 7B

@@ -204,6 +204,10 @@ def main(argv=None) -> int:
     parser.add_argument("--momentum", type=_momentum, default=None,
                         help=f"SGD's momentum (default {DEFAULT_MOMENTUM:g}: K = 8; 0: no "
                              f"momentum buffer, K = 4); only with --optimizer sgd")
+    parser.add_argument("--shard-group", type=int, default=None, metavar="K",
+                        help="hierarchical sharding: the state sharded within groups of K GPUs "
+                             "and replicated across them (rows whose N K does not divide are "
+                             "left out); the table only")
     parser.add_argument("--measure", action="store_true",
                         help="run the --optimizer's zero1_mpi class under mpiexec and measure it")
     parser.add_argument("--dtype", choices=DTYPES, default="float16",
@@ -220,6 +224,9 @@ def main(argv=None) -> int:
         parser.error(f"--momentum is SGD's: pass --optimizer sgd (not {args.optimizer})")
     if args.momentum is None:
         args.momentum = DEFAULT_MOMENTUM
+    if args.shard_group is not None and (args.measure or args.shard_group < 1):
+        parser.error(f"--shard-group {args.shard_group}: a positive group size, for the table "
+                     "(not with --measure)")
     if args.worker:
         worker(args.params if args.params is not None else MEASURE_PARAMS, args.dtype,
                args.optimizer, args.momentum)
@@ -227,6 +234,7 @@ def main(argv=None) -> int:
     if not args.measure:
         params = TABLE_PARAMS if args.params is None else args.params
         print(format_table(params, TABLE_GPUS if args.gpus is None else args.gpus,
+                           shard_group=args.shard_group,
                            **table_k(args.optimizer, args.momentum)))
         return 0
     psi = MEASURE_PARAMS if args.params is None else args.params

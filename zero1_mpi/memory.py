@@ -165,22 +165,32 @@ def parse_param_count(text: str) -> int:
     return int(value)
 
 
-def format_table(params, gpu_counts, k=12, label: str | None = None) -> str:
+def format_table(params, gpu_counts, k=12, label: str | None = None,
+                 shard_group: int | None = None) -> str:
     """The seed's per-GPU memory table (GB = 1e9 bytes) for ``params`` and each GPU count;
     ``k``: bytes per parameter of the optimizer's sharded part (``label`` names it in the
-    title; Adam's 12 and no label give the seed's table)."""
+    title; Adam's 12 and no label give the seed's table). ``shard_group``: hierarchical
+    sharding, the sharded terms divided among groups of that many GPUs (replicated across the
+    groups) instead of all N; rows whose N it does not divide are left out."""
     counts = list(gpu_counts)
     for n in counts:
         _check(params, n)
+    if shard_group is not None:
+        _check(params, shard_group)
+        counts = [n for n in counts if n % shard_group == 0]
     terms = stage_terms(k)
     title = f"Per-GPU memory (GB) for a {format_param_count(params)} parameter model"
+    extra = [label] if label else []
+    if shard_group is not None:
+        extra.append(f"sharded within groups of {shard_group} GPUs")
     lines = [
-        title + (f", {label}" if label else ""),
+        title + "".join(f", {e}" for e in extra),
         f"{'GPUs':>6}{'Baseline':>12}{'Stage 1':>11}{'Stage 2':>11}{'Stage 3':>11}",
         "-" * 52,
     ]
     for n in counts:
-        gb = [_per_rank(terms[name], params, 1 if name == "Baseline" else n, unit=1e9)
+        ways = n if shard_group is None else shard_group
+        gb = [_per_rank(terms[name], params, 1 if name == "Baseline" else ways, unit=1e9)
               for name in terms]
         lines.append(f"{n:>6}{gb[0]:>11.1f}G{gb[1]:>10.1f}G{gb[2]:>10.1f}G{gb[3]:>10.1f}G")
     return "\n".join(lines)
