@@ -1,0 +1,224 @@
+"""tools/netns_cluster.sh: a two-node test bed on one machine (two network namespaces joined by
+a veth pair), with 4 ranks, 2 per namespace, talking over TCP across the link.
+
+Needs root and working ``ip netns`` (and veth); skips with the reason otherwise, or fails where
+``ZERO1_REQUIRE_NETNS=1`` says the machine must have them. The MPI is the one the other tests
+use (``zero1_mpi.launcher``); the script knows MPICH, Intel MPI and Open MPI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zero1_mpi.launcher import LauncherError, flavor, kill_job, launcher
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "netns_cluster.sh"
+KNOWN = ("MPICH", "Intel MPI", "Open MPI")
+MIB = 1 << 20
+
+
+def _why_not() -> str | None:
+    """Why the test bed cannot run here, or None."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux's"
+    if os.geteuid() != 0:
+        return "needs root (creates network namespaces)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"no {tool} on PATH"
+    probe = f"zero1-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    try:
+        veth = subprocess.run(["ip", "-n", probe, "link", "add", "name", "zp0", "type", "veth",
+                               "peer", "name", "zp1"], capture_output=True, text=True)
+        if veth.returncode != 0:
+            return f"no veth pair in a namespace: {veth.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        kind = flavor(*launcher())
+    except LauncherError as exc:
+        return str(exc)
+    if kind not in KNOWN:
+        return f"the launcher is {kind}; tools/netns_cluster.sh knows {', '.join(KNOWN)}"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def test_bed():
+    reason = _why_not()
+    if reason is not None:
+        if os.environ.get("ZERO1_REQUIRE_NETNS") == "1":
+            pytest.fail(f"ZERO1_REQUIRE_NETNS=1, but: {reason}")
+        pytest.skip(reason)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_NTASKS"}
+    env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", ZERO1_MPI_KERNEL="numpy",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    return env
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SCRIPT), *args], cwd=ROOT, env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The script's output once it exits; on timeout SIGTERM (it tears down), then SIGKILL
+    everything below it, and fail."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            kill_job(proc.pid)
+            out, err = proc.communicate(timeout=20)
+        pytest.fail(f"netns_cluster.sh did not finish in {timeout}s\n--- stdout\n{out}\n"
+                    f"--- stderr\n{err}")
+
+
+def _leftovers(pid: int) -> list[str]:
+    """What a run of the script with PID ``pid`` left: its namespaces, and links in this one."""
+    ours = re.compile(rf"zero1-{pid}-\d")
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    left = [line for line in names.splitlines() if ours.search(line)]
+    left += [line for line in links.splitlines() if "z1eth" in line or ours.search(line)]
+    if Path("/run/netns").is_dir():
+        left += [p.name for p in Path("/run/netns").iterdir() if ours.match(p.name)]
+    return left
+
+
+def _run(*args: str, timeout: float = 120, check: bool = True):
+    """Run the script to its end: (proc, stdout, stderr); with ``check``, fail on a non-zero
+    exit. Either way, nothing it created may remain."""
+    proc = _start(*args)
+    out, err = _finish(proc, timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"netns_cluster.sh {' '.join(args)} exited with {proc.returncode}\n"
+                    f"--- stdout\n{out}\n--- stderr\n{err}")
+    assert _leftovers(proc.pid) == [], err
+    return proc, out, err
+
+
+def test_ranks_split_between_namespaces_and_allreduce_crosses_the_link(tmp_path):
+    counters = tmp_path / "counters.json"
+    proc, out, err = _run("--ranks-per-node", "2", "--rate", "1gbit", "--keep-counters",
+                          str(counters), "--", sys.executable, "-m", "mpi4py",
+                          "tests/cases/netns.py", "4")
+    assert "OK netns on 4 ranks" in out, out + err
+    ranks = re.findall(r"rank (\d) node (\S+) host (\S+) shared-memory rank (\d) of (\d) "
+                       r"routes (\S+)", out)
+    assert [int(r[0]) for r in ranks] == [0, 1, 2, 3], out
+    names = [f"zero1-{proc.pid}-0", f"zero1-{proc.pid}-1"]
+    assert [r[1] for r in ranks] == [names[0]] * 2 + [names[1]] * 2, out  # 0-1 | 2-3
+    hosts = [r[2] for r in ranks]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], out
+    assert [(int(r[3]), int(r[4])) for r in ranks] == [(0, 2), (1, 2)] * 2, out
+    assert {r[5] for r in ranks} == {"z1eth:198.18.0.0/24"}, out  # no route out
+    assert re.search(r"tbf .*rate 1Gbit", err), err
+    # The sum on node 1 needs node 0's partial sum and the other way round: at least the 4 MiB
+    # cross the link each way.
+    tx, rx = map(int, re.search(r"allreduce 4194304: node0 tx (\d+) rx (\d+)", out).groups())
+    assert tx >= 4 * MIB and rx >= 4 * MIB, out
+    kept = json.loads(counters.read_text())
+    assert kept["exit_status"] == 0 and kept["ranks"] == 4 and kept["link"] == "z1eth", kept
+    assert kept["node0_to_node1_bytes"] >= tx and kept["node1_to_node0_bytes"] >= rx, kept
+    assert f"{kept['bytes']} bytes crossed the link" in err, err
+
+
+def test_parity_across_two_namespaces(tmp_path):
+    """tests/cases/parity.py (ZeroAdam/ZeroAdamW against the float64 reference) on 2 x 2 ranks."""
+    counters = tmp_path / "counters.json"
+    _, out, _ = _run("--keep-counters", str(counters), "--", sys.executable, "-m", "mpi4py",
+                     "tests/cases/parity.py", timeout=400)
+    assert "OK parity: 33 cases x 20 steps on 4 ranks (numpy, kernel numpy)" in out
+    assert json.loads(counters.read_text())["bytes"] > 10 * MIB
+
+
+def test_flat_and_node_level_sharding_across_two_namespaces(tmp_path):
+    """tests/cases/hierarchical.py on 2 x 2 ranks: every rule against the float64 reference,
+    flat and with the state sharded within each namespace (K = 2, one replica per node), and
+    checkpoints saved node-level loaded flat; then tools/node_bench.py reports both."""
+    _, out, _ = _run("--", sys.executable, "-m", "mpi4py", "tests/cases/hierarchical.py",
+                     "save", str(tmp_path), timeout=400)
+    assert "OK hierarchical sharding on 4 ranks: K = [2]" in out
+    _, out, _ = _run("--rate", "1gbit", "--", sys.executable, "tools/node_bench.py", "--params",
+                     "1M", "--steps", "2", "--json", str(tmp_path / "bench.json"), timeout=300)
+    rows = {r["sharding"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    assert rows["flat"]["shard_group_size"] == 4 and rows["node-level"]["shard_group_size"] == 2
+    assert rows["node-level"]["replicas"] == 2  # "node" found the two namespaces
+    assert all(r["link_bytes_per_step"] > 1e6 for r in rows.values()), rows
+
+
+def test_failing_job_fails_the_script_and_is_cleaned_up():
+    proc, out, err = _run("--", sys.executable, "-c", "import sys; sys.exit(3)", check=False)
+    assert proc.returncode != 0, out + err
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: orphans wait for init to reap them)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_mid_job_stops_the_ranks_and_tears_down(sig, status, tmp_path):
+    ready = ("import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w')"
+             ".close(); time.sleep(300)")
+    proc = _start("--", sys.executable, "-c", ready, str(tmp_path))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.iterdir())) < 4 and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(p.name) for p in tmp_path.iterdir()]
+    if len(pids) < 4:
+        proc.terminate()
+        out, err = _finish(proc, 30)
+        pytest.fail(f"only {len(pids)} of 4 ranks started\n--- stdout\n{out}\n--- stderr\n{err}")
+    start = time.monotonic()
+    if sig == signal.SIGINT:  # Ctrl-C: to the whole foreground process group
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        kill_job(proc.pid)
+        pytest.fail(f"the script did not exit within 30 s of {sig.name}")
+    assert proc.returncode == status, err
+    assert time.monotonic() - start < 10, err
+    assert [pid for pid in pids if _running(pid)] == [], err
+    assert _leftovers(proc.pid) == [], err
+
+
+def test_delay_needs_netem():
+    """--delay works where the kernel has sch_netem, else fails saying so; cleaned up either
+    way."""
+    proc, out, err = _run("--delay", "0.2ms", "--", sys.executable, "-c", "pass", check=False)
+    if proc.returncode != 0:
+        assert "lacks sch_netem" in err, err
+    else:
+        assert "netem" in err and "delay" in err, err
