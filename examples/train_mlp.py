@@ -11,6 +11,7 @@ loss falls from ln(10) = 2.30 (the output layer starts at zero) to about 0.6 in 
     mpiexec -n 4 python -m mpi4py examples/train_mlp.py --dtype bfloat16  # or float16
     mpiexec -n 4 python -m mpi4py examples/train_mlp.py --backend cupy    # one GPU per rank
     sbatch examples/slurm.sbatch                                          # Slurm + srun
+    mpiexec -n 4 python -m mpi4py examples/train_mlp.py --plot loss.png   # needs matplotlib
 
 With ``--checkpoint DIR`` it saves a sharded checkpoint every ``--save-every`` steps and at the
 end, and starts from the newest checkpoint in ``DIR`` when there is one, on any number of ranks:
@@ -51,6 +52,8 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--log-every", type=int, default=20)
 parser.add_argument("--checkpoint", help="directory to save checkpoints in and resume from")
 parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+parser.add_argument("--plot", metavar="FILE.png",
+                    help="write the loss curve to this PNG at the end (needs matplotlib)")
 parser.add_argument("--crash-at-step", type=int,
                     help="the last rank kills itself (SIGKILL) at this step: try resuming")
 args = parser.parse_args()
@@ -196,4 +199,7 @@ print0(f"memory: {most} bytes/rank held (max over ranks); formula "
 tail = losses[-min(10, len(losses)):]
 print0(f"loss {losses[0]:.2f} -> {sum(tail) / len(tail):.2f} (mean of the last {len(tail)} steps)")
 print0(f"loss scale {opt.loss_scale:g}, {skipped} overflowed step(s) skipped")
+if args.plot and rank == 0:
+    from plotting import save_plot  # examples/plotting.py
+    save_plot(args.plot, f"train_mlp: {size} ranks, {args.dtype}", [("loss", losses)], start)
 print0(f"final: first_loss={losses[0]:.6f} last_loss={sum(tail) / len(tail):.6f}")

@@ -86,3 +86,25 @@ def test_a_killed_run_resumes_on_fewer_ranks_and_reaches_the_same_loss(tmp_path)
 def test_batch_must_divide_among_the_ranks():
     rc, out = run_example(3, "--steps", "2", "--batch", "256", timeout=60)
     assert rc != 0 and "--batch 256 is not divisible by the 3 ranks" in out, out
+
+
+def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
+    png = tmp_path / "loss.png"
+    rc, out = run_example(2, "--steps", "10", "--plot", str(png))
+    assert rc == 0, out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in out and not png.exists(), out
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out, out
+
+
+def test_plot_without_matplotlib_writes_nothing_and_says_so(tmp_path, monkeypatch, capsys):
+    import sys
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    from plotting import save_plot
+    assert save_plot(tmp_path / "x.png", "t", [("loss", [1.0, 0.5])]) is False
+    assert "pip install matplotlib" in capsys.readouterr().out
+    assert not (tmp_path / "x.png").exists()
