@@ -55,3 +55,13 @@ def test_bad_groups_name_the_problem(params, exc, words):
     with pytest.raises(exc) as info:
         normalize_groups(params, DEFAULTS, ADAM)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flat_host_buffers_start_on_64_bytes(dtype):
+    """So that JAX (XLA:CPU) can alias the parameters through DLPack instead of copying."""
+    from mpi4py import MPI
+    from zero1_mpi import ZeroAdam
+    for _ in range(8):  # NumPy alone gives 16-byte alignment: some of these would miss
+        opt = ZeroAdam({"w": np.ones(37, np.float32)}, MPI.COMM_SELF, param_dtype=dtype)
+        assert opt.params["w"].ctypes.data % 64 == 0 and opt.grads["w"].ctypes.data % 64 == 0

@@ -66,6 +66,22 @@ def synchronize(array) -> None:
         _cupy().cuda.get_current_stream().synchronize()
 
 
+#: Byte alignment of the flat host buffers: XLA:CPU (JAX) aliases NumPy memory through DLPack
+#: only at 64-byte boundaries (else it copies), and it suits SIMD loads.
+HOST_ALIGN = 64
+
+
+def zeros(xp, n: int, dtype):
+    """``xp.zeros(n, dtype)``; for NumPy, starting on a ``HOST_ALIGN``-byte boundary (NumPy
+    itself promises 16)."""
+    if xp is not np:
+        return xp.zeros(n, dtype)
+    dtype = np.dtype(dtype)
+    raw = np.zeros(n * dtype.itemsize + HOST_ALIGN, np.uint8)
+    skip = -raw.ctypes.data % HOST_ALIGN
+    return raw[skip:skip + n * dtype.itemsize].view(dtype)
+
+
 def pinned_empty(nbytes: int, device: bool) -> np.ndarray:
     """A flat uint8 host buffer, page-locked when it is to stage device memory."""
     if device:

@@ -358,8 +358,8 @@ class ShardedOptimizer:
 
     def _allocate(self, layout, dtype, backend_name) -> None:
         xp = self._xp = backend.xp_for(backend_name)
-        self._params = xp.zeros(layout.total, dtype)
-        self._grads = xp.zeros(layout.total, dtype)
+        self._params = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
+        self._grads = backend.zeros(xp, layout.total, dtype)
         shard = layout.shard_total
         self._mixed = dtype != FP32
         self._master = xp.zeros(shard, FP32) if self._mixed else None
