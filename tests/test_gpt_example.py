@@ -1,0 +1,94 @@
+"""examples/gpt_torch.py on 2 ranks, at a tiny size (skipped where torch is not installed).
+
+- float32: the zero1_mpi run's loss curve equals DistributedDataParallel + torch.optim.AdamW's
+  on the same batches, step by step (the tolerance of tests/test_torch.py); with matplotlib
+  installed, ``--plot`` writes a PNG.
+- bfloat16 (the default): a run whose last rank is SIGKILLed resumes from its last checkpoint
+  and goes on with the losses, bit for bit, of an uninterrupted run; the sample is printed.
+- ``--plot`` without matplotlib stops before training with a message that says so.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+
+import pytest
+
+from mpirun import ROOT, run_mpi
+
+torch = pytest.importorskip("torch")
+
+EXAMPLE = "examples/gpt_torch.py"
+LAUNCH = "mpiexec -n 4 python -m mpi4py examples/gpt_torch.py"
+TINY = ("--layers", "2", "--dim", "32", "--heads", "2", "--context", "32", "--batch", "8",
+        "--sample", "0", "--log-every", "5")
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run(*args: str, check: bool = True, env: dict | None = None):
+    """``(returncode, stdout + stderr)`` of the tiny example on 2 ranks."""
+    result = run_mpi(2, EXAMPLE, *TINY, *args, check=check, env=env, timeout=150)
+    return result.returncode, result.stdout + result.stderr
+
+
+def losses(out: str) -> list[float]:
+    line = next((line for line in out.splitlines() if line.startswith("losses: ")), None)
+    assert line, out
+    return json.loads(line[len("losses: "):])
+
+
+def test_docstring_opens_with_launch_command():
+    doc = ast.get_docstring(ast.parse((ROOT / EXAMPLE).read_text(encoding="utf-8")))
+    assert doc.splitlines()[0].strip() == LAUNCH
+
+
+def test_float32_matches_ddp_and_plots(tmp_path):
+    plot = tmp_path / "loss.png"
+    _, out = run("--dtype", "float32", "--steps", "16",
+                 *(("--plot", str(plot)) if HAVE_MATPLOTLIB else ()))
+    assert "world_size=2 dtype=float32 " in out and "optimizer=zero1_mpi" in out, out
+    assert "tokens/s" in out, out
+    ours = losses(out)
+    _, out = run("--dtype", "float32", "--steps", "16", "--reference", "ddp")
+    assert "optimizer=DDP + torch.optim.AdamW" in out, out
+    ddp = losses(out)
+    assert len(ours) == len(ddp) == 16
+    assert ours[-1] < 0.85 * ours[0]                        # it learns
+    assert ours == pytest.approx(ddp, rel=1e-4, abs=1e-7)   # step by step, like DDP
+    if HAVE_MATPLOTLIB:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_killed_bfloat16_run_resumes_where_it_was(tmp_path):
+    """Checkpoints every 5 steps, the last rank SIGKILLed at step 8: the job ends; resumed,
+    it starts at step 5 and its losses are those of an uninterrupted run, bit for bit."""
+    steps, ckpt = ("--steps", "12"), str(tmp_path / "ckpt")
+    _, out = run(*steps, "--sample", "40")
+    assert "dtype=bfloat16 " in out and "\nsample:\n" in out, out
+    uninterrupted = losses(out)
+    assert len(uninterrupted) == 12 and uninterrupted[-1] < 0.85 * uninterrupted[0]
+
+    rc, out = run(*steps, "--checkpoint", ckpt, "--save-every", "5", "--crash-at-step", "8",
+                  check=False)
+    assert rc != 0 and "crash: rank 1 kills itself at step 8" in out, out
+    assert "losses:" not in out, out
+    assert [p.name.split("-")[1] for p in (tmp_path / "ckpt").glob("ckpt-*")] == ["00000005"]
+
+    _, out = run(*steps, "--checkpoint", ckpt, "--save-every", "5", "--resume")
+    assert "resumed from" in out and "ckpt-00000005" in out, out
+    assert losses(out) == uninterrupted[5:]
+
+
+def test_plot_without_matplotlib_says_so_before_training(tmp_path):
+    hide = tmp_path / "hide" / "matplotlib"  # an import of matplotlib that fails, as if missing
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError(\"No module named 'matplotlib'\")\n")
+    path = os.pathsep.join([str(hide.parent), str(ROOT), str(ROOT / "tests")])
+    rc, out = run("--plot", str(tmp_path / "loss.png"), check=False, env={"PYTHONPATH": path})
+    assert rc != 0, out
+    assert "--plot needs matplotlib, which is not installed here" in out, out
+    assert "pip install matplotlib" in out and "step " not in out, out
+    assert "Traceback" not in out, out
