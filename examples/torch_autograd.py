@@ -9,6 +9,7 @@ batches; the optimizer averages the gradients over ranks (ZeRO stage 1 AdamW wit
     mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --overlap  # comm during backward
     mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --reference ddp
     mpiexec -n 2 python -m mpi4py examples/torch_autograd.py --device cuda   # DLPack + CuPy
+    mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --plot loss.png  # matplotlib
 
 ``--reference ddp`` trains the same model on the same data with
 ``torch.nn.parallel.DistributedDataParallel`` (gloo) and ``torch.optim.AdamW``: the loss curve it
@@ -38,6 +39,8 @@ parser.add_argument("--overlap", action="store_true",
                     help="start reductions from autograd hooks; gather lazily before forward")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--log-every", type=int, default=10)
+parser.add_argument("--plot", metavar="FILE.png",
+                    help="write the loss curve to this PNG at the end (needs matplotlib)")
 args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
@@ -164,4 +167,9 @@ def log(step, loss):
 print0(f"torch_autograd: world_size={size} dtype={args.dtype} device={args.device} "
        f"optimizer={'DDP + torch.optim.AdamW' if args.reference == 'ddp' else 'zero1_mpi'}")
 losses = train_ddp() if args.reference == "ddp" else train_zero1()
+if args.plot and rank == 0:
+    from plotting import save_plot  # examples/plotting.py
+    how = "DDP + AdamW" if args.reference == "ddp" else "zero1_mpi ZeroAdamW"
+    save_plot(args.plot, f"torch_autograd: {how}, {size} ranks, {args.dtype}",
+              [("loss", losses)])
 print0(f"losses: {json.dumps(losses)}")

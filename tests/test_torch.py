@@ -34,9 +34,12 @@ def test_torch_model_on_flat_buffers_matches_ddp(n):
     assert ours == pytest.approx(ddp, rel=1e-4, abs=1e-7)  # step by step, like DDP
 
 
-def test_torch_model_in_bfloat16_learns():
-    curve = losses(2, "--dtype", "bfloat16")
+def test_torch_model_in_bfloat16_learns(tmp_path):
+    png = tmp_path / "loss.png"
+    curve = losses(2, "--dtype", "bfloat16", "--plot", str(png))
     assert curve[-1] < 0.2 * curve[0]
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # --plot wrote the loss curve
 
 
 def test_overlap_through_autograd_hooks_changes_nothing():
