@@ -371,6 +371,15 @@ class Communicator:
                            lambda: self.comm.Ireduce_scatter_block(MPI.IN_PLACE, spec, MPI.SUM),
                            buf)
 
+    def start_allreduce(self, buf) -> Request:
+        """Start ``allreduce_inplace(buf)`` (nonblocking; blocking where ``buf`` is staged)."""
+        if self._runs_blocking(buf):
+            self.allreduce_inplace(buf)
+            return DONE
+        backend.synchronize(buf)  # MPI may read device memory as soon as it starts
+        return Request(self.comm.Iallreduce(MPI.IN_PLACE, [buf, _reduce_type(buf.dtype)],
+                                            MPI.SUM))
+
     def start_alltoall(self, send, recv) -> Request:
         """Start ``alltoall(send, recv)``."""
         if self._runs_blocking(send) or self._runs_blocking(recv):

@@ -182,6 +182,8 @@ class ShardedOptimizer:
                 self._start_reduction(self._next_start)
             for request, _ in self._started.values():
                 request.test()  # let MPI progress what is in flight
+            for request in self._across.values():
+                request.test()
 
     def wait(self) -> None:
         """Complete the all-gathers that ``step(wait=False)`` left in flight. Reading
@@ -199,6 +201,8 @@ class ShardedOptimizer:
         if self._started or self._reduced:
             with self.comm.abort_on_error("in zero_grad() while completing reductions"):
                 for request, _ in self._started.values():
+                    request.wait()
+                for request in self._across.values():
                     request.wait()
             self._new_round()
         self._grads.fill(0)
@@ -221,6 +225,8 @@ class ShardedOptimizer:
             while self._next_start >= 0:
                 self._start_reduction(self._next_start)
             reduced = [self._finish_reduction(b.index) for b in self.layout.buckets]
+            for request in self._across.values():  # the sums across the groups, in flight
+                request.wait()
             self._new_round()
             reduced_at = clock()
             # Replicas hold the same sums: the norm counts one of them.
@@ -433,6 +439,7 @@ class ShardedOptimizer:
         self._next_start = len(self.layout.buckets) - 1
         self._started = {}    # bucket index -> (request, receive slot or None)
         self._reduced = {}    # bucket index -> this rank's summed shard, once finished
+        self._across = {}     # bucket index -> its sum across the shard groups, in flight
         self._slot_owner = [None] * (0 if self._received is None else len(self._received))
 
     def _start_reduction(self, index: int) -> None:
@@ -472,7 +479,7 @@ class ShardedOptimizer:
             self._reductions.sum_blocks(blocks, reduced)
             self._slot_owner[slot] = None
         if self.replicas > 1:  # the group's sum, summed over the groups that replicate it
-            self.replica_comm.allreduce_inplace(reduced)
+            self._across[index] = self.replica_comm.start_allreduce(reduced)
         self._reduced[index] = reduced
         return reduced
 

@@ -58,10 +58,13 @@ def make(rule, dtype_name, k):
 
 
 def train(opt, steps):
+    """Each tensor's gradient declared ready as it is written, last first (as a backward pass
+    would): reductions, and the sums across the groups, start before ``step()``."""
     dtype = resolve_dtype(opt.param_dtype.name)
     for step in steps:
-        for k, g in grads_of(rank, step).items():
+        for k, g in reversed(grads_of(rank, step).items()):
             opt.grads[k][...] = (g * opt.loss_scale).astype(dtype)
+            opt.grads_ready(k)
         opt.step()
 
 
