@@ -515,24 +515,22 @@ class ShardedOptimizer:
             return self._master[st], states, self._params[lo + a:lo + b]
         return self._params[lo + a:lo + b], states, None
 
-    def _per_tensor_scalars(self, reduced, scalars) -> list:
+    def _per_tensor_scalars(self, reduced, scalars) -> dict:
         """Phase one of a two-phase rule: the kernel's partial sums over each tensor piece
         this rank owns (updating the rule's state), added per tensor, summed over ranks in
-        one ``Allreduce``; returns each tensor's scalars (``rule.tensor_scalars``)."""
-        xp, count = self._xp, self._tensor_sums
-        sums = xp.zeros((len(self.layout.tensors), count), np.float64)
-        group_of = {}
+        one ``Allreduce``; returns the scalars (``rule.tensor_scalars``) of each tensor this
+        rank owns a piece of, by tensor index."""
+        sums = self._xp.zeros((len(self.layout.tensors), self._tensor_sums), np.float64)
         for bucket, grads, pieces in zip(self.layout.buckets, reduced, self._pieces):
             for index, group, a, b in pieces:
                 master, states, _ = self._shard_arrays(bucket, a, b)
                 sums[index] += self._kernel.tensor_sums(grads[a:b], master, *states,
                                                         scalars[group])
-                group_of[index] = group
         totals = backend.to_numpy(sums)
         if self.shard_group_size > 1:  # the group's shards cover every tensor once
             totals = self.shard_comm.allreduce_sum(totals)
         return {index: self.rule.tensor_scalars(scalars[group], totals[index])
-                for index, group in group_of.items()}
+                for pieces in self._pieces for index, group, _, _ in pieces}
 
     def _apply_shard(self, bucket, tensor_scalars) -> None:
         """Phase two of a two-phase rule over this rank's shard of ``bucket``."""

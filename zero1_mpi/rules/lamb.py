@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import backend
-from ..reductions import NUMPY_CHUNK
+from ..reductions import NUMPY_CHUNK, CupyReductions
 from .options import betas as check_betas
 from .options import non_negative
 
@@ -215,13 +215,15 @@ class CupyLamb:
 
     scratch_bytes = 0
 
+    def __init__(self):
+        self._reductions = CupyReductions()
+
     def tensor_sums(self, grad, master, exp_avg, exp_avg_sq, s: LambScalars):
-        from ..reductions import CupyReductions
         f = np.float32
         _cuda_kernel("moments")(grad, f(s.grad_scale), f(s.beta2), f(s.one_minus_beta1),
                                 f(s.one_minus_beta2), exp_avg, exp_avg_sq)
         u_sq = _cuda_kernel("u_sq")(exp_avg, exp_avg_sq, master, *self._direction_args(s))
-        p_sq = CupyReductions().sum_of_squares(master)
+        p_sq = self._reductions.sum_of_squares(master)
         return backend.xp_for("cupy").stack([p_sq, u_sq])
 
     def apply(self, master, exp_avg, exp_avg_sq, param, s: LambScalars) -> None:
