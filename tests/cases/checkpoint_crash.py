@@ -43,7 +43,14 @@ def train(opt, steps):
 
 
 def die(moment, seen):
-    print(f"KILLED at {moment}: {seen}", flush=True)
+    """Record the moment (on stdout, and in ``KILLED`` beside the root: a launcher may drop the
+    last output of a process that SIGKILLs itself, as Open MPI's did once), then die."""
+    record = f"KILLED at {moment}: {seen}"
+    print(record, flush=True)
+    with open(DIRECTORY / "KILLED", "w") as f:
+        f.write(record + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -66,6 +73,8 @@ def prepare(directory):
 
 
 def crash(directory, moment):
+    global DIRECTORY
+    DIRECTORY = directory
     opt = make()
     root = directory / "root"
     opt.load(root)
