@@ -1,10 +1,9 @@
 """Run a case script under ``mpiexec -n N python -m mpi4py`` from pytest, with a timeout.
 
 ``python -m mpi4py`` turns an uncaught exception on any rank into ``MPI_Abort`` of the whole
-job, so a failing rank ends the run instead of leaving the others waiting. On timeout the whole
-job (the launcher and every process below it) is killed and the test fails with everything
-the job printed. The command line
-comes from ``zero1_mpi.launcher`` (``ZERO1_MPIEXEC``, and what each MPI needs).
+job, so a failing rank ends the run instead of leaving the others waiting. ``zero1_mpi.launcher``
+gives the command line (``ZERO1_MPIEXEC``, and what each MPI needs) and kills the whole job on
+timeout; the test then fails with everything the job printed.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from zero1_mpi.launcher import LauncherError, flavor, kill_job, launch_command, launcher
+from zero1_mpi.launcher import LauncherError, LaunchTimeout, flavor, launcher, run
 
 CASES = Path(__file__).parent / "cases"
 ROOT = Path(__file__).parent.parent
@@ -48,25 +47,16 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool =
     base.update({"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "ZERO1_MPI_KERNEL": "numpy",
                  **(env or {})})
     try:
-        cmd, full_env = launch_command(n, [sys.executable, *runner, path, *args],
-                                       network=network, environ=base)
+        result = run(n, [sys.executable, *runner, path, *args], timeout=timeout,
+                     network=network, environ=base, cwd=ROOT)
     except LauncherError as exc:
         pytest.fail(str(exc))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=full_env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_job(proc.pid)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:  # something outside the group holds the pipes
-            out, err = "", "(the job's output could not be read after it was killed)"
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out}\n"
-                    f"--- stderr\n{err}")
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}\n--- stdout\n{out}\n"
+    except LaunchTimeout as exc:
+        pytest.fail(f"{' '.join(exc.cmd)} did not finish in {timeout}s\n--- stdout\n"
+                    f"{exc.stdout}\n--- stderr\n{exc.stderr}")
+    cmd, out, err = result.args, result.stdout, result.stderr
+    if check and result.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {result.returncode}\n--- stdout\n{out}\n"
                     f"--- stderr\n{err}")
     if check and "Traceback (most recent call last)" in err:
         pytest.fail(f"{' '.join(cmd)} exited with 0 but printed a traceback\n--- stdout\n{out}\n"

@@ -1,9 +1,9 @@
 """Run a tool's worker under ``mpiexec -n N`` and collect the JSON line its rank 0 prints.
 
 Shared by the tools that measure across world sizes (``memory_table.py --measure``,
-``checkpoint_bench.py``, ``bench.py --ranks``). The command line comes from
-``zero1_mpi.launcher`` (``ZERO1_MPIEXEC``, or ``--mpiexec``, and what each MPI needs). On
-timeout the job is killed whole (the launcher and every process below it).
+``checkpoint_bench.py``, ``bench.py --ranks``). ``zero1_mpi.launcher.run`` gives the command
+line (``ZERO1_MPIEXEC``, or ``--mpiexec``, and what each MPI needs) and kills the whole job on
+timeout.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 
-from zero1_mpi.launcher import MPIEXEC_ENV, LauncherError, kill_job, launch_command
+from zero1_mpi.launcher import MPIEXEC_ENV, LauncherError, LaunchTimeout, run
 
 
 def run_ranks(n: int, script: str, args: list[str], mpiexec: str | None = None,
@@ -26,25 +25,17 @@ def run_ranks(n: int, script: str, args: list[str], mpiexec: str | None = None,
     if mpiexec:
         environ[MPIEXEC_ENV] = mpiexec
     try:
-        cmd, env = launch_command(n, [sys.executable, "-m", "mpi4py", script, *args],
-                                  environ=environ)
+        proc = run(n, [sys.executable, "-m", "mpi4py", script, *args], timeout=timeout,
+                   environ=environ)
     except LauncherError as exc:
         if not mpiexec:
             raise
         raise LauncherError(f"MPI launcher {mpiexec!r} not found on PATH: install one (pip "
                             "install mpich) or pass --mpiexec /path/to/mpiexec") from exc
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_job(proc.pid)
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            out, err = "", "(no output: the job's pipes stayed open after it was killed)"
-        raise RuntimeError(f"`{shlex.join(cmd)}` did not finish in {timeout:g} s (raise "
-                           f"--timeout or lower --params):\n{out}{err}") from None
+    except LaunchTimeout as exc:
+        raise RuntimeError(f"`{shlex.join(exc.cmd)}` did not finish in {timeout:g} s (raise "
+                           f"--timeout or lower --params):\n{exc.stdout}{exc.stderr}") from None
+    cmd, out, err = proc.args, proc.stdout, proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"`{shlex.join(cmd)}` exited with {proc.returncode}:\n{out}{err}")
     for line in reversed(out.splitlines()):

@@ -1,23 +1,14 @@
-"""Launching ranks from Python: the ``mpiexec`` command line and environment for the MPI at hand.
+"""Launching ranks from Python: the ``mpiexec`` command line for the MPI at hand, and a run
+with a timeout that kills the whole job.
 
-``launch_command(n, program)`` returns ``(argv, env)`` for running ``program`` (a list of
-arguments) on ``n`` ranks of this machine. The launcher is ``ZERO1_MPIEXEC`` when set (a command
-line, split as a shell would: ``"/opt/mpi/bin/mpiexec"``, ``"srun --mpi=pmi2"``), else the
-``mpiexec`` on ``PATH``. What each MPI needs is added from the launcher's ``--version``:
-
-- Open MPI: ``--oversubscribe`` (more ranks than cores is fine for tests) and, as root, the
-  ``OMPI_ALLOW_RUN_AS_ROOT`` pair; MPICH's and Intel MPI's hydra need nothing.
-- ``network=True`` turns shared memory off, so ranks on one machine talk over TCP as ranks on
-  different nodes do: MPICH ``MPIR_CVAR_NOLOCAL=1`` with ``UCX_TLS=tcp`` / ``FI_PROVIDER=tcp``
-  (the wheel's netmod is UCX, which otherwise uses shared memory itself); Open MPI
-  ``OMPI_MCA_pml=ob1`` with ``OMPI_MCA_btl=tcp,self``; Intel MPI ``I_MPI_FABRICS=ofi`` with
-  ``FI_PROVIDER=tcp``. ``tests/cases/network.py`` checks that the ranks then hold TCP
-  connections to each other.
-
-From a shell: ``python -m zero1_mpi.launcher -n 4 [--network] -- python -m mpi4py train.py``
-runs that command line (``tools/gpu_check.sh`` and ``tools/slurm_local.sh`` do).
-
-No MPI is imported here: this runs in the parent process, before any rank exists.
+``launch_command(n, program)`` gives ``(argv, env)`` that run ``program`` on ``n`` ranks of this
+machine: the launcher is ``ZERO1_MPIEXEC`` (a command line such as ``"srun --mpi=pmi2"``), else
+``mpiexec`` on ``PATH``, with what its MPI needs (Open MPI: ``--oversubscribe`` and, as root,
+``OMPI_ALLOW_RUN_AS_ROOT``); ``network=True`` turns shared memory off so that ranks on one
+machine talk over TCP as ranks on different nodes do. ``run(n, program, timeout=...)`` runs it
+and, past the timeout, kills the launcher and every process below it. From a shell:
+``python -m zero1_mpi.launcher -n 4 [--network] -- python -m mpi4py train.py``. No MPI is
+imported here: this runs in the parent process, before any rank exists.
 """
 
 from __future__ import annotations
@@ -31,8 +22,13 @@ import signal
 import subprocess
 import sys
 
+__all__ = ["launch_command", "launcher", "flavor", "run", "kill_job", "LauncherError",
+           "LaunchTimeout", "MPIEXEC_ENV"]
+
 MPIEXEC_ENV = "ZERO1_MPIEXEC"
 
+# Shared memory off, TCP between the ranks of one machine (MPICH's wheel runs UCX, which would
+# use shared memory itself; tests/cases/network.py checks the connections).
 _NETWORK_ENV = {
     "MPICH": {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp", "FI_PROVIDER": "tcp"},
     "Open MPI": {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self"},
@@ -42,6 +38,15 @@ _NETWORK_ENV = {
 
 class LauncherError(RuntimeError):
     """No usable launcher, or one that cannot do what was asked."""
+
+
+class LaunchTimeout(RuntimeError):
+    """A job ``run`` killed at its timeout; ``cmd``, ``timeout``, ``stdout`` and ``stderr``
+    say what it was and what it printed before."""
+
+    def __init__(self, cmd: list[str], timeout: float, stdout: str, stderr: str):
+        super().__init__(f"{shlex.join(cmd)} did not finish in {timeout:g} s and was killed")
+        self.cmd, self.timeout, self.stdout, self.stderr = cmd, timeout, stdout, stderr
 
 
 def launcher(environ=None) -> list[str]:
@@ -99,6 +104,32 @@ def launch_command(n: int, program: list[str], *, network: bool = False,
                                 f"{', '.join(_NETWORK_ENV)}")
         environ.update(_NETWORK_ENV[kind])
     return [*argv, *flags, "-n", str(n), *program], environ
+
+
+def run(n: int, program: list[str], *, timeout: float, network: bool = False, environ=None,
+        cwd=None) -> subprocess.CompletedProcess:
+    """Run ``program`` on ``n`` ranks (``launch_command``), capturing its output as text.
+
+    Returns:
+        The finished process (any exit code).
+
+    Raises:
+        LaunchTimeout: the job ran past ``timeout`` seconds; it was killed whole first.
+        LauncherError: no usable launcher.
+    """
+    cmd, env = launch_command(n, program, network=network, environ=environ)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # something outside the job holds the pipes
+            out, err = "", "(the job's output could not be read after it was killed)"
+        raise LaunchTimeout(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def kill_job(pid: int) -> None:
