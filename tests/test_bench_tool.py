@@ -1,5 +1,5 @@
-"""tools/bench.py --optimizer, without MPI: each rule's kernels against its reference on a
-small shard (a one-process stand-in for the communicator), and the kernel table."""
+"""tools/bench.py --optimizer, without MPI: each registered rule's kernels against its reference
+on a small shard (a one-process stand-in for the communicator), and the kernel table."""
 
 import importlib.util
 from pathlib import Path
@@ -15,6 +15,7 @@ REFERENCES = {"adam": "torch_fused_adamw", "sgd": "torch_sgd_foreach", "lion": "
 
 @pytest.fixture(scope="module")
 def bench():
+    """tools/bench.py, the driver (tables); its ``bench_worker`` measures."""
     spec = importlib.util.spec_from_file_location("bench", ROOT / "tools" / "bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -31,21 +32,13 @@ class OneRank:
         return value
 
 
-def choice_or_skip(bench, name):
-    try:
-        return bench.optimizer_choice(name)
-    except SystemExit as exc:  # lamb before zero1_mpi has it: the message names the fix
-        assert name == "lamb" and "lamb" in str(exc)
-        pytest.skip(str(exc))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", list(REFERENCES))
 def test_kernels_against_their_reference(bench, name, dtype):
-    choice = choice_or_skip(bench, name)
+    choice = bench.bench_worker.optimizer_choice(name)
     has_torch = importlib.util.find_spec("torch") is not None
     args = SimpleNamespace(torch=has_torch)
-    out = bench.kernel_throughput(np, OneRank(), SimpleNamespace(MAX=None), 1 << 12,
+    out = bench.bench_worker.kernel_throughput(np, OneRank(), SimpleNamespace(MAX=None), 1 << 12,
                                   np.dtype(dtype), args, choice)
     reference = REFERENCES[name] if has_torch or name in ("lion", "lamb") else "zero1_numpy"
     assert out["reference"] == reference
@@ -60,16 +53,16 @@ def test_kernels_against_their_reference(bench, name, dtype):
                         "state_bytes": 1},
               "baseline": {"reduce": 1.0, "optimizer": 1.0, "bytes": 1, "state_bytes": 1}}
     if choice["torch"] is None:
-        result["torch_zero_skipped"] = f"torch has no {bench.LABELS[name]} optimizer"
+        result["torch_zero_skipped"] = f"torch has no {bench.rule_label(name)} optimizer"
     text = bench.table([result])
-    assert f"vs {reference} |" in text and f"full {bench.LABELS[name]} |" in text
+    assert f"vs {reference} |" in text and f"full {bench.rule_label(name)} |" in text
     assert "x |" in text.split(f"vs {reference} |")[1]  # the ratios are there, not "-"
     assert ("skipped, torch has no" in text) == (choice["torch"] is None)
 
 
 def test_two_phase_update_is_the_engines_lamb(bench):
     """One range through ``rule_update`` equals the rule's own two phases by hand."""
-    choice = choice_or_skip(bench, "lamb")
+    choice = bench.bench_worker.optimizer_choice("lamb")
     rule = choice["rule"]
     rng = np.random.default_rng(0)
     grad = rng.standard_normal(300).astype(np.float32)
@@ -78,7 +71,7 @@ def test_two_phase_update_is_the_engines_lamb(bench):
     mine, theirs = master.copy(), master.copy()
     states_mine = [np.zeros(300, np.float32) for _ in rule.state_names]
     states_theirs = [np.zeros(300, np.float32) for _ in rule.state_names]
-    bench.rule_update(rule, "numpy", 300)(grad, mine, states_mine, None, s)
+    bench.bench_worker.rule_update(rule, "numpy", 300)(grad, mine, states_mine, None, s)
     kernel = rule.kernel("numpy", 300)
     sums = kernel.tensor_sums(grad, theirs, *states_theirs, s)
     kernel.apply(theirs, *states_theirs, None, rule.tensor_scalars(s, sums))

@@ -109,3 +109,32 @@ def test_a_missing_cuda_header_names_the_extra():
         compile_fails('could not open source file "cuda_bf16.h"')(1, 2)
     with pytest.raises(RuntimeError, match="neg_lrr"):
         compile_fails('identifier "neg_lrr" is undefined')(1, 2)
+
+
+def test_another_cupy_version_fails_and_says_what_to_update():
+    """The tool models CuPy internals of one version (``CUPY_MODELLED``, pinned in .ci/run)."""
+    run_tool("--only", "zero1_lion_fp32", timeout=300)  # skips where the tool cannot run
+    code = ("import sys; sys.path.insert(0, 'tools'); import gpu_compile_check as tool; "
+            "tool.CUPY_MODELLED = (13, 0); sys.exit(tool.main(['--only', 'zero1_lion_fp32']))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert result.returncode == 1, result.stdout
+    assert "models the private code generation of CuPy 13.0" in result.stdout
+    assert "set CUPY_MODELLED, and pin that version in .ci/run" in result.stdout
+
+
+def test_a_registered_rule_is_compiled_too(tmp_path):
+    """The README's rule added as one file and one registry line (in a copy of the package):
+    the tool finds, builds and compiles its kernels beside everyone else's."""
+    run_tool("--only", "zero1_lion_fp32", timeout=300)  # skips where the tool cannot run
+    from test_registry import copy_with_readme_rule
+    root = copy_with_readme_rule(tmp_path)
+    result = subprocess.run([sys.executable, "tools/gpu_compile_check.py"], cwd=root,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
+    out = result.stdout
+    expected = Counter(EXPECTED) + Counter({"zero1_sign_momentum_fp32": 1,
+                                            "zero1_sign_momentum_mixed": 4})
+    assert result.returncode == 0, out
+    assert kernel_lines(out, "ok") == expected, out
+    assert "zero1_mpi/rules/sign_momentum.py" in out

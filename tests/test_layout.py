@@ -10,7 +10,7 @@ AWKWARD = {"scalar": (), "empty": (0, 3), "one": (1,), "vec": (7,), "mat": (5, 1
 
 
 def check_invariants(layout):
-    world, quantum = layout.world_size, layout.world_size * layout.align
+    world, quantum = layout.group_size, layout.group_size * layout.align
     position = 0
     for t in layout.tensors:  # packed back to back, in order, from 0
         assert t.offset == position and t.numel == math.prod(t.shape)
@@ -101,11 +101,11 @@ def test_fingerprint_changes_with_anything_that_must_agree():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"world_size": 0}, "world_size=0"),
+    ({"group_size": 0}, "group_size=0"),
     ({"bucket_elements": 0}, "bucket_elements=0"),
     ({"align": -1}, "align=-1"),
 ])
 def test_bad_arguments_name_the_value(kwargs, words):
-    args = {"world_size": 2, **kwargs}
+    args = {"group_size": 2, **kwargs}
     with pytest.raises(ValueError, match=words):
-        build_layout(AWKWARD, args.pop("world_size"), "float32", **args)
+        build_layout(AWKWARD, args.pop("group_size"), "float32", **args)

@@ -12,8 +12,8 @@ from mpirun import run_mpi
 from reference import ReferenceLion, ReferenceSGD, max_rel_err
 from zero1_mpi import ZeroLion, ZeroSGD
 from zero1_mpi.backend import resolve_dtype
-from zero1_mpi.rules.lion import Lion, NumpyLion
-from zero1_mpi.rules.sgd import SGD, NumpySGD
+from zero1_mpi.rules.lion import Lion, NumbaLion, NumpyLion
+from zero1_mpi.rules.sgd import SGD, NumbaSGD, NumpySGD
 
 RULES = ["sgd", "lion", "lamb"]  # the rules of the bad-input and checkpoint cases
 OPTIONS = [{"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "nesterov": False},
@@ -44,10 +44,10 @@ def run_kernel(kernel, options, param_dtype, steps=5, n=10_007):
 @pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("param_dtype", ["float32", "float16", "bfloat16"])
 def test_numba_kernel_is_bitwise_the_numpy_twin(options, param_dtype):
-    numba_kernels = pytest.importorskip("zero1_mpi.kernels_numba", exc_type=ImportError)
+    pytest.importorskip("numba")
     has_buffer = options["momentum"] != 0
     a = run_kernel(NumpySGD(has_buffer, chunk=1000), options, param_dtype)
-    b = run_kernel(numba_kernels.NumbaSGD(has_buffer), options, param_dtype)
+    b = run_kernel(NumbaSGD(has_buffer), options, param_dtype)
     for x, y in zip(a, b):
         if x is not None:
             assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
@@ -107,9 +107,9 @@ def run_lion(kernel, param_dtype, steps=5, n=10_007):
 
 @pytest.mark.parametrize("param_dtype", ["float32", "float16", "bfloat16"])
 def test_numba_lion_is_bitwise_the_numpy_twin(param_dtype):
-    numba_kernels = pytest.importorskip("zero1_mpi.kernels_numba", exc_type=ImportError)
+    pytest.importorskip("numba")
     a = run_lion(NumpyLion(chunk=1000), param_dtype)
-    b = run_lion(numba_kernels.NumbaLion(), param_dtype)
+    b = run_lion(NumbaLion(), param_dtype)
     for x, y in zip(a, b):
         if x is not None:
             assert np.array_equal(x.view(np.uint8), y.view(np.uint8))

@@ -9,8 +9,9 @@ compiled, M failed``. Exits 0 when none failed; 1 when one did (NVRTC's log foll
 (``pip install "cupy-cuda12x>=14" "cuda-toolkit[cudart,nvrtc]==12.*"``; no driver needed).
 
 Where the sources come from: nothing here holds a kernel's text. The tool drives the package's
-own CuPy code (every rule's ``kernel("cupy")`` with fp32 and 16-bit parameters and each
-gradient dtype the engine hands it, and the engine's reductions) on ``cupy.ndarray`` objects
+own CuPy code (``kernel("cupy")`` of every variant of every rule in ``zero1_mpi.rules.registry``
+with fp32 and 16-bit parameters and each gradient dtype the engine hands it, and the engine's
+reductions) on ``cupy.ndarray`` objects
 over memory that does not exist (CuPy makes them without a device), with
 ``backend.xp_for("cupy")`` swapped for a recorder: each ``ElementwiseKernel`` /
 ``ReductionKernel`` the package builds is a real CuPy kernel object, and each launch is
@@ -23,11 +24,11 @@ architecture and to load the result) is intercepted, and the very source and opt
 are compiled with NVRTC, adding what that step adds (``-ftz=true``, the architecture,
 ``--device-as-default-execution-space``).
 
-What is modelled, not run (CuPy 14's ``_kernel.pyx``, ``_reduction.pyx``,
-``_cub_reduction.pyx``): how CuPy describes a launch's arguments (``_ArgInfo``: the 1-d arrays
-the engine passes, scalars of the declared parameter types, the indexers) and which kernels a
-full reduction compiles: the generic one (short arrays, or ``CUPY_ACCELERATORS`` without cub)
-and, where CuPy's ``_can_use_cub_block_reduction`` says so, CUB's two passes, at the block size
+What is modelled, not run (CuPy ``CUPY_MODELLED``'s ``_kernel.pyx``, ``_reduction.pyx``,
+``_cub_reduction.pyx``; another CuPy version fails with what to check and update): how CuPy
+describes a launch's arguments (``_ArgInfo``: the 1-d arrays the engine passes, scalars of the
+declared parameter types, the indexers) and which kernels a full reduction compiles: the generic
+one (short arrays, or ``CUPY_ACCELERATORS`` without cub) and, where CuPy's ``_can_use_cub_block_reduction`` says so, CUB's two passes, at the block size
 of long arrays (512 threads; 32 to 256 below 2048 elements differ in one ``#define``). A launch
 outside the model (n-d arrays, outputs left out, axis, unknown keywords) is a failure, never a
 pass. ``--against DIR`` checks the model on a GPU machine: DIR is the ``CUPY_CACHE_DIR`` of a
@@ -61,6 +62,8 @@ import numpy as np  # noqa: E402
 from zero1_mpi import backend  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
+#: The CuPy (major, minor) whose private code generation ``Generator`` models; CI pins it.
+CUPY_MODELLED = (14, 2)
 #: Elements per stand-in array: above CuPy's CUB threshold, CUB's largest block (512 threads).
 N = 4096
 #: The block sizes CuPy gives a CUB reduction (by length); only 512 is compiled (--against
@@ -96,6 +99,17 @@ def load_cupy():
                         "'cuda-toolkit[cudart,nvrtc]==12.*'") from None
     if int(cupy.__version__.split(".")[0]) < 14:
         raise CannotRun(f"CuPy {cupy.__version__} has no bfloat16 kernels: CuPy >= 14 needed")
+    version = tuple(int(part) for part in cupy.__version__.split(".")[:2])
+    if version != CUPY_MODELLED:
+        raise ModelError(
+            f"CuPy {cupy.__version__}: this tool models the private code generation of CuPy "
+            f"{'.'.join(map(str, CUPY_MODELLED))} (_kernel._get_elementwise_kernel, "
+            "_reduction._ReductionKernel_get_cached_function, _cub_reduction, _TypeMap, "
+            "_ArgInfo, compiler._compile_module_with_cache). Compare those in CuPy "
+            f"{cupy.__version__}'s cupy/_core/_kernel.pyx, _reduction.pyx and "
+            "_cub_reduction.pyx with Generator, update it, set CUPY_MODELLED, and pin that "
+            "version in .ci/run (or install cupy-cuda12x=="
+            f"{'.'.join(map(str, CUPY_MODELLED))}.* to run this check)")
     try:
         major, minor = nvrtc.getVersion()
     except Exception as exc:  # noqa: BLE001
@@ -214,38 +228,33 @@ def drive(recorder):
     """Run every CuPy code path of the package that launches a kernel, on stand-in arrays;
     yields ``(case, error or None)``.
 
-    Each rule with fp32 parameters (fp32 gradients) and with 16-bit ones (gradients in the
-    parameter dtype, as summed over ranks in it or on one rank, or fp32 after a 16-bit
-    exchange summed in fp32); then the engine's reductions on every gradient dtype (LAMB's
-    sums of squares of the fp32 masters come with it). AdamW builds Adam's kernels.
+    Each variant of each registered rule, with its optimizer's default options, with fp32
+    parameters (fp32 gradients) and with 16-bit ones (gradients in the parameter dtype, as
+    summed over ranks in it or on one rank, or fp32 after a 16-bit exchange summed in fp32);
+    then the engine's reductions on every gradient dtype (LAMB's sums of squares of the fp32
+    masters come with it).
     """
-    from zero1_mpi.engine import _reductions
-    from zero1_mpi.optimizer import ZeroAdam, ZeroLAMB, ZeroLion, ZeroSGD
-    from zero1_mpi.rules.adam import Adam
-    from zero1_mpi.rules.lamb import Lamb
-    from zero1_mpi.rules.lion import Lion
-    from zero1_mpi.rules.sgd import SGD
+    from zero1_mpi.reductions import reductions_for
+    from zero1_mpi.rules.registry import builtin_rules
 
     cupy = recorder.cupy
     fp32 = np.dtype(np.float32)
-    for optimizer, rule in ((ZeroAdam, Adam(False)), (ZeroSGD, SGD(False)),
-                            (ZeroSGD, SGD(True)), (ZeroLion, Lion()), (ZeroLAMB, Lamb())):
-        defaults = inspect.signature(optimizer).parameters
-        for param_dtype in backend.PARAM_DTYPES.values():
+    for entry in builtin_rules().values():
+        for rule, param_dtype in ((r, d) for r in entry.variants
+                                  for d in backend.PARAM_DTYPES.values()):
             mixed = param_dtype != fp32
             for grad_dtype in dict.fromkeys((param_dtype, fp32)):
-                case = (f"{optimizer.__name__} ({rule.settings()}), param {param_dtype.name}, "
-                        f"grad {grad_dtype.name}")
+                case = (f"{entry.optimizer.__name__} ({rule.settings()}), param "
+                        f"{param_dtype.name}, grad {grad_dtype.name}")
                 try:
-                    options = rule.check_options(**{name: defaults[name].default
-                                                    for name in rule.options})
+                    options = rule.check_options(**entry.defaults)
                     scalars = rule.scalars(1, options, 1.0)
                     kernel = rule.kernel("cupy", N)
                     grad = fake_array(cupy, (N,), grad_dtype)
                     master = fake_array(cupy, (N,), fp32)
                     states = [fake_array(cupy, (N,), fp32) for _ in rule.state_names]
                     param = fake_array(cupy, (N,), param_dtype) if mixed else None
-                    if getattr(rule, "tensor_sums", 0):
+                    if rule.tensor_sums:
                         kernel.tensor_sums(grad, master, *states, scalars)
                         tensor = rule.tensor_scalars(scalars, np.ones(rule.tensor_sums))
                         kernel.apply(master, *states, param, tensor)
@@ -258,7 +267,7 @@ def drive(recorder):
     for dtype in backend.PARAM_DTYPES.values():
         case = f"the engine's reductions, {dtype.name}"
         try:
-            _reductions("cupy", N).sum_of_squares(fake_array(cupy, (N,), dtype))
+            reductions_for("cupy", N).sum_of_squares(fake_array(cupy, (N,), dtype))
         except Exception as exc:  # noqa: BLE001
             yield case, exc
         else:
@@ -501,6 +510,9 @@ def main(argv=None) -> int:
     except CannotRun as exc:
         print(f"gpu_compile_check: cannot run: {exc}", flush=True)
         return EXIT_CANNOT_RUN
+    except ModelError as exc:
+        print(f"FAIL {exc}", flush=True)
+        return EXIT_FAILED
 
     problems = []  # failures that are not one kernel's compile error
     recorder = CupyRecorder(cupy, args.broken)

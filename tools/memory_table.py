@@ -1,10 +1,11 @@
 """python tools/memory_table.py [--params 7B] [--gpus 1,4,8,16,32,64,128] [--optimizer adam]
                               [--momentum 0.9] [--measure]
 
-Prints the seed's per-GPU memory table (GB = 1e9 bytes) for ZeRO stages 0-3, with the
-``--optimizer``'s bytes per parameter K of the sharded part (adam: the seed's 12; lamb 12; sgd 8,
-or 4 with ``--momentum 0``; lion 8). With ``--measure`` it instead runs that real optimizer
-(``zero1_mpi.ZeroAdam``, ``ZeroSGD``, ``ZeroLion``, ``ZeroLAMB``) under ``mpiexec -n N`` for each
+Prints the reference chapter's per-GPU memory table (GB = 1e9 bytes) for ZeRO stages 0-3, with
+the ``--optimizer``'s bytes per parameter K of the sharded part (adam: the chapter's 12; lamb 12;
+sgd 8, or 4 with ``--momentum 0``; lion 8; any rule of ``zero1_mpi.rules.registry``). With
+``--measure`` it instead runs that rule's optimizer (``ZeroAdam``, ``ZeroSGD``, ...) under
+``mpiexec -n N`` for each
 N in ``--gpus`` (default 1,2,4; ``--params`` default 10M) and prints, for the rank holding the
 most (ties: the most padding + scratch), its measured bytes next to the stage-1 formula. Summed
 over ranks, ``measured - formula`` must equal ``padding + scratch``: the "balanced" column says
@@ -28,8 +29,8 @@ try:
     import zero1_mpi  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(ROOT))
-from zero1_mpi.memory import (MemoryReport, format_param_count, format_table, parse_param_count,
-                              rule_bytes_per_param)
+from zero1_mpi.memory import MemoryReport, format_param_count, format_table, parse_param_count
+from zero1_mpi.rules.registry import builtin_rules, rule_bytes_per_param
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import run_ranks  # noqa: E402
@@ -37,8 +38,6 @@ from launch import run_ranks  # noqa: E402
 TABLE_PARAMS, TABLE_GPUS = 7 * 10**9, [1, 4, 8, 16, 32, 64, 128]
 MEASURE_PARAMS, MEASURE_GPUS = 10 * 10**6, [1, 2, 4]
 DTYPES = ("float16", "bfloat16", "float32")
-#: --optimizer: the class in zero1_mpi that --measure runs (looked up when it runs).
-OPTIMIZERS = {"adam": "ZeroAdam", "sgd": "ZeroSGD", "lion": "ZeroLion", "lamb": "ZeroLAMB"}
 DEFAULT_MOMENTUM = 0.9
 
 
@@ -60,19 +59,13 @@ def tensor_shapes(psi: int) -> list[tuple[int, ...]]:
 
 def describe(optimizer: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> str:
     """``ZeroAdam``, ``ZeroSGD (momentum 0.9)``, ...: what --measure runs."""
-    name = OPTIMIZERS[optimizer]
+    name = optimizer_class(optimizer).__name__
     return f"{name} (momentum {momentum:g})" if optimizer == "sgd" else name
 
 
 def optimizer_class(optimizer: str):
-    """The class of ``zero1_mpi`` that ``optimizer`` names, or a RuntimeError if it has none."""
-    import zero1_mpi as package
-    cls = getattr(package, OPTIMIZERS[optimizer], None)
-    if cls is None:
-        raise RuntimeError(f"--optimizer {optimizer}: this zero1_mpi has no "
-                           f"{OPTIMIZERS[optimizer]} to measure (the formula table works "
-                           f"without --measure)")
-    return cls
+    """The optimizer class that runs the registered rule ``optimizer``."""
+    return builtin_rules()[optimizer].optimizer
 
 
 def worker(psi: int, dtype: str, optimizer: str = "adam",
@@ -105,7 +98,6 @@ def measure(psi: int, gpus, dtype: str = "float16", mpiexec: str | None = None,
             timeout: float = 300.0, optimizer: str = "adam",
             momentum: float = DEFAULT_MOMENTUM) -> dict[int, list[MemoryReport]]:
     """``{N: [report of rank 0, ..., rank N-1]}`` from one ``mpiexec -n N`` run per N."""
-    optimizer_class(optimizer)  # a missing class is reported here, before any launch
     results = {}
     for n in gpus:
         found = run_ranks(n, str(Path(__file__).resolve()),
@@ -152,7 +144,7 @@ def format_measured(psi: int, dtype: str, results: dict[int, list[MemoryReport]]
 
 
 def table_k(optimizer: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> dict:
-    """``format_table``'s ``k`` and ``label`` for a rule (none for Adam: the seed's table)."""
+    """``format_table``'s ``k`` and ``label`` for a rule (none for Adam: the chapter's table)."""
     if optimizer == "adam":
         return {}
     k = rule_bytes_per_param(optimizer, "float16", momentum != 0)
@@ -191,14 +183,15 @@ def _param_count(text: str) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="memory_table.py",
-        description="Per-GPU memory of ZeRO stages: the seed's table, or measured with --measure.")
+        description="Per-GPU memory of ZeRO stages: the chapter's table, or measured with "
+                    "--measure.")
     parser.add_argument("--params", type=_param_count, default=None,
                         help="parameter count Ψ: 7B, 125M, 1.3e9, 10000 "
                              "(default 7B; 10M with --measure)")
     parser.add_argument("--gpus", type=_gpu_list, default=None,
                         help="comma-separated rank counts (default 1,4,8,16,32,64,128; "
                              "1,2,4 with --measure)")
-    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adam",
+    parser.add_argument("--optimizer", choices=tuple(builtin_rules()), default="adam",
                         help="update rule: its bytes per parameter K in the table, the class "
                              "--measure runs (default adam: K = 12)")
     parser.add_argument("--momentum", type=_momentum, default=None,

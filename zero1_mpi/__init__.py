@@ -3,6 +3,7 @@
 ``ZeroAdam`` / ``ZeroAdamW``, ``ZeroSGD``, ``ZeroLion`` and ``ZeroLAMB`` keep fp32 master
 weights and their rule's state for 1/N of the parameters on each of N ranks; the parameters and
 gradients stay replicated in flat NumPy or CuPy buffers that the model sees through named views.
+``ShardedOptimizer`` runs any ``Rule`` (``zero1_mpi.rules``) the same way.
 """
 
 from .checkpoint import CheckpointError
@@ -10,11 +11,15 @@ from .comm import CollectiveError, Communicator
 from .layout import Layout, build_layout
 from .memory import MemoryReport
 from .engine import ShardedOptimizer, StepInfo
-from .optimizer import ZeroAdam, ZeroAdamW, ZeroLAMB, ZeroLion, ZeroSGD
 from .params import decay_groups
+from .rules import Rule
+from .rules.adam import ZeroAdam, ZeroAdamW
+from .rules.lamb import ZeroLAMB
+from .rules.lion import ZeroLion
+from .rules.sgd import ZeroSGD
 from .scaler import LossScaler
 
 __all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ZeroLAMB", "ShardedOptimizer",
-           "StepInfo", "LossScaler", "decay_groups", "MemoryReport", "Communicator",
+           "StepInfo", "Rule", "LossScaler", "decay_groups", "MemoryReport", "Communicator",
            "CollectiveError", "CheckpointError", "Layout", "build_layout"]
 __version__ = "0.1.0"

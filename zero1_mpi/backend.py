@@ -12,6 +12,10 @@ import re
 import ml_dtypes
 import numpy as np
 
+__all__ = ["BFLOAT16", "PARAM_DTYPES", "HOST_ALIGN", "resolve_dtype", "is_device_array",
+           "backend_name", "xp_for", "synchronize", "zeros", "pinned_empty", "copy_to_host",
+           "copy_from_host", "to_numpy", "missing_header_error", "ExplainedKernel"]
+
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 PARAM_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                 "bfloat16": BFLOAT16}

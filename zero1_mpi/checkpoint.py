@@ -1,23 +1,14 @@
 """Sharded checkpoints: saved without gathering, loaded at any world size, never half-written.
 
-A checkpoint *root* directory holds complete checkpoints ``ckpt-<step>-<time>/`` and a file
-``LATEST`` naming the current one. A checkpoint is ``manifest.json`` plus one
-``shard-<k>.npy`` per shard (written by the ranks of the first shard group; with hierarchical
-sharding the other groups hold replicas): a float32 array whose rows are the master weights,
-the update rule's state (Adam: exp_avg, exp_avg_sq) and, for 16-bit parameters, the parameters
-as exact fp32 values, over the flat ranges that shard holds. The manifest lists every file with its
-ranges, size and SHA-256, and the rule, its rows, the layout, step, options and loss-scaler
-state; only an optimizer of the same rule loads it. The optimizer's state is read and written
-through its public ``shard_state`` and ``gather_params``. Flat positions do not depend on the
-world size (tensors are packed from 0 and only the end is padded), so any number of ranks, in
-shard groups of any size, can load any checkpoint.
-
-``save`` writes into a hidden temporary directory; every rank syncs its file; then rank 0
-writes the manifest, renames the directory into place and replaces ``LATEST`` (atomic renames,
-each synced). A job killed at any moment leaves the previous checkpoint loadable. ``load``
-checks the manifest and every file it needs (size, header, checksum) before it changes
-anything, then reads slices through memory maps in bounded chunks. Nothing is unpickled.
-Both must be called on all ranks, with a path on a file system that every rank sees.
+A root directory holds complete checkpoints ``ckpt-<step>-<time>/`` and ``LATEST`` naming the
+current one; a checkpoint is ``manifest.json`` (rule, rows, layout, step, options, loss scaler,
+and each file's ranges, size and SHA-256) plus one float32 ``shard-<k>.npy`` per shard of the
+first shard group, whose rows are the optimizer's ``state_rows`` over the flat ranges it holds.
+Flat positions do not depend on the world size, so any number of ranks loads any checkpoint.
+``save`` publishes by synced atomic renames (a killed job leaves the previous checkpoint
+loadable); ``load`` checks everything it needs before it changes anything. The optimizer is
+read and written through ``shard_state``, ``gather_params`` and ``restore_counters`` only.
+Both must be called on all ranks, with a path every rank sees. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -36,6 +27,9 @@ from . import backend
 from .backend import to_numpy
 from .params import group_record, restore_options
 from .scaler import LossScaler
+
+__all__ = ["save", "load", "CheckpointError", "read_counters", "check_rule", "resolve",
+           "read_manifest", "check_compatible", "fingerprint", "plan_reads", "CHUNK"]
 
 FORMAT = "zero1_mpi.checkpoint"
 VERSION = 1
@@ -66,7 +60,7 @@ def save(opt, path, keep: int | None = None) -> Path:
         except OSError as exc:
             error = CheckpointError(f"cannot create a checkpoint under {root}: {exc}")
     comm.agree(error)
-    tmp = root / comm.comm.bcast(tmp_name)
+    tmp = root / comm.bcast_object(tmp_name)
 
     info = error = None
     name = f"shard-{opt.shard_rank:05d}.npy"
@@ -75,7 +69,7 @@ def save(opt, path, keep: int | None = None) -> Path:
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
     comm.agree(error)
-    infos = [i for i in comm.comm.gather(info, root=0) or [] if i is not None]
+    infos = [i for i in comm.gather_objects(info) or [] if i is not None]
 
     final = error = None
     if comm.rank == 0:
@@ -84,21 +78,14 @@ def save(opt, path, keep: int | None = None) -> Path:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = CheckpointError(f"cannot publish the checkpoint under {root}: {exc}")
     comm.agree(error)
-    return root / comm.comm.bcast(final)
-
-
-def rows(opt) -> list[str]:
-    """The rows of a shard file, in order: the master weights, the rule's state, and for
-    16-bit parameters the parameters (as exact fp32 values)."""
-    mixed = opt.param_dtype.itemsize < 4
-    return ["master", *opt.rule.state_names] + (["param"] if mixed else [])
+    return root / comm.bcast_object(final)
 
 
 def row_views(opt, lo: int, hi: int, state: int) -> list:
     """This rank's state over flat ``[lo, hi)`` (which starts at ``state`` in its shard
-    arrays), one view per row of ``rows(opt)``."""
+    arrays), one view per row of ``opt.state_rows``."""
     views = opt.shard_state(lo, hi, state)
-    return [views[row] for row in rows(opt)]
+    return [views[row] for row in opt.state_rows]
 
 
 def check_rule(opt, saved_rule, where) -> None:
@@ -114,12 +101,12 @@ def _write_shard(opt, file: Path) -> dict:
     count = sum(hi - lo for lo, hi, _ in ranges)
     header = io.BytesIO()
     np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False,
-                                                  "shape": (len(rows(opt)), count)})
+                                                  "shape": (len(opt.state_rows), count)})
     digest = hashlib.sha256(header.getvalue())
     size = len(header.getvalue())
     with open(file, "wb") as f:
         f.write(header.getvalue())
-        for row in range(len(rows(opt))):
+        for row in range(len(opt.state_rows)):
             for lo, hi, state in ranges:
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
@@ -141,7 +128,7 @@ def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
         "world_size": opt.world_size, "shard_group_size": opt.shard_group_size,
         "step": opt.step_count,
         "param_dtype": opt.param_dtype.name, "numel": opt.layout.numel,
-        "rule": opt.rule.name, "rows": rows(opt),
+        "rule": opt.rule.name, "rows": list(opt.state_rows),
         "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
                     for t in opt.layout.tensors],
         "param_groups": [group_record(g, opt.rule) for g in opt.param_groups],
@@ -239,13 +226,13 @@ def load(opt, path) -> Path:
                     view[...] = xp.asarray(maps[file][row, columns])  # exact casts
         del maps
         opt.gather_params()
-        apply_counters(opt, counters)
+        opt.restore_counters(*counters)
     return ckpt
 
 
 def read_counters(manifest: dict, groups: list, rule, where) -> tuple:
     """``(step, loss scaler, group options)`` of a checkpoint, checked before anything
-    changes."""
+    changes: the arguments of ``opt.restore_counters``."""
     step = manifest.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"{where}: step={step!r} is not a step count")
@@ -255,12 +242,6 @@ def read_counters(manifest: dict, groups: list, rule, where) -> tuple:
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: {exc}") from None
     return step, scaler, options
-
-
-def apply_counters(opt, counters: tuple) -> None:
-    opt.step_count, opt.scaler, options = counters
-    for group, saved in zip(opt.param_groups, options):
-        group.update(saved)
 
 
 def resolve(path: Path) -> Path:
@@ -324,9 +305,9 @@ def check_compatible(opt, manifest: dict, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
                               f"the optimizer has {opt.param_dtype.name!r}: use the same")
     check_rule(opt, manifest.get("rule", "adam"), ckpt)  # version 1 without it: Adam's
-    if manifest["rows"] != rows(opt):
+    if manifest["rows"] != list(opt.state_rows):
         raise CheckpointError(f"{ckpt} holds the rows {manifest['rows']}, the optimizer keeps "
-                              f"{rows(opt)}")
+                              f"{list(opt.state_rows)}")
 
 
 

@@ -1,28 +1,14 @@
-"""The communicator layer: the only module that imports mpi4py.
+"""The communicator layer: the only module that imports mpi4py or calls an mpi4py object.
 
-``Communicator`` wraps an mpi4py intracommunicator and offers the few collectives the optimizer
-needs, on NumPy or CuPy buffers alike. CuPy buffers go straight to MPI when the library is
-CUDA-aware (after synchronizing the stream that wrote them) and are otherwise staged through
-pinned host buffers that are allocated once and reused. Whether MPI is CUDA-aware is decided
-in this order: the ``cuda_aware`` argument, the ``ZERO1_MPI_CUDA_AWARE`` environment variable,
-``MPIX_Query_cuda_support`` from the loaded MPI library, and finally "no" (staging).
-
-Started collectives (``start_*``) are MPI-4 persistent ones (``*_init``, then ``Start`` each
-step) only on MPI libraries where ``tools/mpi_probe.py`` proved them right in this project's CI
-(``PERSISTENT_PROVEN``), and nonblocking ones (``I*``) everywhere else; the
-``ZERO1_MPI_PERSISTENT`` environment variable or the ``persistent`` argument overrides that.
-Intel MPI 2021's persistent in-place Allgather returns stale blocks, so it is not on the list.
-Device buffers go to a CUDA-aware MPI through blocking collectives only: that is what Open MPI
-documents for device memory (its nonblocking collectives may reduce device memory on the host
-and crash); ``ZERO1_MPI_DEVICE_STARTED=1`` (or ``device_started=True``) lets started ones take
-device buffers where the user's MPI documents it (e.g. MVAPICH2-GDR).
-
-``agree`` turns an error that some ranks detected into the same exception on every rank, so
-checks made before a collective never leave other ranks waiting. ``abort_on_error`` guards work
-between collectives that one rank alone may fail: it aborts the job rather than leave the other
-ranks waiting forever. ``collective_call`` runs another library's collective call (NCCL's
-communicator initialisation) so that one rank's failure reaches every rank, even those still
-blocked inside the call.
+``Communicator`` wraps an mpi4py intracommunicator and offers what the package needs, on NumPy
+or CuPy buffers alike: blocking and started (``start_*``) collectives on array buffers,
+collectives on small Python objects, agreement on errors (``agree``: an error some ranks found
+is raised on every rank, so no rank waits forever), ``abort_on_error`` for work between
+collectives that one rank alone may fail, and ``collective_call`` for another library's
+collective (NCCL's initialisation). Every method must be called on all ranks of the
+communicator, except ``send``/``recv`` and ``abort_on_error``. How device buffers travel
+(CUDA-aware or staged) and which started collectives are used is decided once per
+communicator and agreed across ranks; README "MPI libraries" and "GPUs" give the reasons.
 """
 
 from __future__ import annotations
@@ -42,6 +28,10 @@ import numpy as np
 from mpi4py import MPI
 
 from . import backend
+
+__all__ = ["Communicator", "Request", "CollectiveError", "DONE", "query_cuda_support",
+           "resolve_cuda_aware", "resolve_persistent", "resolve_device_started", "mpi_library",
+           "CUDA_AWARE_ENV", "PERSISTENT_ENV", "DEVICE_STARTED_ENV", "PERSISTENT_PROVEN"]
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
 PERSISTENT_ENV = "ZERO1_MPI_PERSISTENT"
@@ -159,8 +149,21 @@ def resolve_device_started(explicit: bool | None = None, environ=None) -> tuple[
 class Communicator:
     """Collectives over an mpi4py intracommunicator, for host and device buffers.
 
+    Args:
+        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None).
+        cuda_aware: whether MPI takes device buffers; None: ``ZERO1_MPI_CUDA_AWARE``, then
+            ``MPIX_Query_cuda_support``, else no (staging through pinned host memory).
+        persistent: whether started collectives are MPI-4 persistent ones; None:
+            ``ZERO1_MPI_PERSISTENT``, else only on libraries in ``PERSISTENT_PROVEN``.
+        device_started: whether started collectives take device buffers; None:
+            ``ZERO1_MPI_DEVICE_STARTED``, else no (blocking collectives for device buffers).
+        stage_host: send host buffers through the staging path too (tests, debugging).
+
     Every method must be called on all ranks of the communicator.
     """
+
+    #: Whether ``split`` makes sub-communicators (hierarchical sharding needs them).
+    supports_split = True
 
     def __init__(self, comm=None, *, cuda_aware: bool | None = None,
                  persistent: bool | None = None, device_started: bool | None = None,
@@ -172,7 +175,7 @@ class Communicator:
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"comm={comm!r} is not an mpi4py intracommunicator: pass "
                             "MPI.COMM_WORLD, a communicator made from it with Split/Dup, or None")
-        self.comm = comm
+        self._comm = comm  # the only reference to the mpi4py object: used here alone
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
@@ -210,7 +213,8 @@ class Communicator:
             error = (type(error).__module__, type(error).__qualname__, str(error))
         elif error is not None:
             error = ("builtins", "ValueError", str(error))
-        failed = [(rank, e) for rank, e in enumerate(self.comm.allgather(error)) if e is not None]
+        failed = [(rank, e) for rank, e in enumerate(self._comm.allgather(error))
+                  if e is not None]
         if failed:
             rank, (module, name, message) = failed[0]
             where = f"rank {rank}" + (" (this rank)" if rank == self.rank else "")
@@ -229,7 +233,7 @@ class Communicator:
                                  f"{self.size} ranks so that none waits forever\n")
                 traceback.print_exc()
                 sys.stderr.flush()
-                self.comm.Abort(1)
+                self._comm.Abort(1)
             raise
 
     def collective_call(self, call, what: str, poll_seconds: float = 0.001):
@@ -238,7 +242,7 @@ class Communicator:
         every rank raises that exception (naming the rank), also those still blocked inside
         their call (left to a daemon thread). Returns ``call()``'s value when all ranks
         succeeded."""
-        outcomes = self.comm.Dup()  # its own messages, apart from everything else
+        outcomes = self._comm.Dup()  # its own messages, apart from everything else
         result, failure = {}, {}
 
         def run():
@@ -282,7 +286,7 @@ class Communicator:
 
         For a dict, the message names the first key that differs and both values.
         """
-        values = self.comm.allgather(value)
+        values = self._comm.allgather(value)
         differing = [rank for rank, v in enumerate(values) if v != values[0]]
         if differing:
             other = differing[0]
@@ -293,19 +297,33 @@ class Communicator:
             raise CollectiveError(f"{what} differs between ranks (rank 0 vs rank {other}): "
                                   f"{fix}")
 
+    # -- collectives on small Python objects (pickled) ---------------------------------------
+
+    def bcast_object(self, value, root: int = 0):
+        """Return ``root``'s ``value`` on every rank."""
+        return self._comm.bcast(value, root=root)
+
+    def gather_objects(self, value, root: int = 0) -> list | None:
+        """Return every rank's ``value`` in rank order on ``root``, None elsewhere."""
+        return self._comm.gather(value, root=root)
+
+    def allgather_objects(self, value) -> list:
+        """Return every rank's ``value``, in rank order, on every rank."""
+        return self._comm.allgather(value)
+
     # -- collectives on array buffers ----------------------------------------------------------
 
     def bcast(self, buf, root: int = 0) -> None:
         """Broadcast ``buf`` (any dtype, contiguous) from ``root`` in place."""
         with self._host_view(buf, "bcast") as host:
-            self.comm.Bcast([_bytes(host), MPI.BYTE], root=root)
+            self._comm.Bcast([_bytes(host), MPI.BYTE], root=root)
 
     def reduce_scatter_sum(self, buf):
         """In place: this rank's block of the sum over ranks lands in ``buf`` at
         ``reduced_block(buf)``, which is returned."""
         mpi_type = _reduce_type(buf.dtype)
         with self._host_view(buf, "reduce_scatter") as host:
-            self.comm.Reduce_scatter_block(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
+            self._comm.Reduce_scatter_block(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
         return self.reduced_block(buf)
 
     def reduced_block(self, buf):
@@ -315,26 +333,26 @@ class Communicator:
     def allreduce_sum(self, values) -> np.ndarray:
         """Element-wise float64 sum of a few host numbers over ranks (inf/nan propagate)."""
         values = np.array(values, dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, values, MPI.SUM)
+        self._comm.Allreduce(MPI.IN_PLACE, values, MPI.SUM)
         return values
 
     def allreduce_inplace(self, buf) -> None:
         """``buf`` = its sum over ranks, in place (float32, float16 or float64; blocking)."""
         mpi_type = _reduce_type(buf.dtype)
         with self._host_view(buf, "allreduce") as host:
-            self.comm.Allreduce(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
+            self._comm.Allreduce(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
 
     def split(self, color: int) -> Communicator:
         """The ranks passing the same ``color``, in this communicator's rank order, as a
         ``Communicator`` with this one's settings. Must be called on all ranks."""
-        return Communicator(self.comm.Split(color, self.rank), cuda_aware=self.cuda_aware,
+        return Communicator(self._comm.Split(color, self.rank), cuda_aware=self.cuda_aware,
                             persistent=self.persistent, device_started=self.device_started,
                             stage_host=self.stage_host)
 
     def node_ranks(self) -> list[int]:
         """The ranks of this communicator that share this rank's memory (its node), from
         ``MPI.COMM_TYPE_SHARED``. Must be called on all ranks."""
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        local = self._comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
             return local.allgather(self.rank)
         finally:
@@ -342,21 +360,21 @@ class Communicator:
 
     def send(self, buf: np.ndarray, dest: int) -> None:
         """Point to point, host buffers only (streaming checkpoints to one writer)."""
-        self.comm.Send(buf, dest=dest)
+        self._comm.Send(buf, dest=dest)
 
     def recv(self, buf: np.ndarray, source: int) -> None:
-        self.comm.Recv(buf, source=source)
+        self._comm.Recv(buf, source=source)
 
     def alltoall(self, send, recv) -> None:
         """Send block ``j`` of ``send`` to rank ``j``; receive block ``i`` from rank ``i``."""
         with self._host_view(send, "a2a_send", copy_out=False) as host_send, \
                 self._host_view(recv, "a2a_recv", copy_in=False) as host_recv:
-            self.comm.Alltoall([_bytes(host_send), MPI.BYTE], [_bytes(host_recv), MPI.BYTE])
+            self._comm.Alltoall([_bytes(host_send), MPI.BYTE], [_bytes(host_recv), MPI.BYTE])
 
     def allgather_inplace(self, buf) -> None:
         """Each rank's block of ``buf`` (block ``rank``, len/size elements) goes to every rank."""
         with self._host_view(buf, "allgather") as host:
-            self.comm.Allgather(MPI.IN_PLACE, [_bytes(host), MPI.BYTE])
+            self._comm.Allgather(MPI.IN_PLACE, [_bytes(host), MPI.BYTE])
 
     # -- started collectives: persistent (MPI-4) where proven, else nonblocking ---------------
 
@@ -367,8 +385,9 @@ class Communicator:
             return DONE
         spec = [buf, _reduce_type(buf.dtype)]
         return self._start(("reduce_scatter", _address(buf), buf.nbytes),
-                           lambda: self.comm.Reduce_scatter_block_init(MPI.IN_PLACE, spec, MPI.SUM),
-                           lambda: self.comm.Ireduce_scatter_block(MPI.IN_PLACE, spec, MPI.SUM),
+                           lambda: self._comm.Reduce_scatter_block_init(MPI.IN_PLACE, spec,
+                                                                        MPI.SUM),
+                           lambda: self._comm.Ireduce_scatter_block(MPI.IN_PLACE, spec, MPI.SUM),
                            buf)
 
     def start_allreduce(self, buf) -> Request:
@@ -377,7 +396,7 @@ class Communicator:
             self.allreduce_inplace(buf)
             return DONE
         backend.synchronize(buf)  # MPI may read device memory as soon as it starts
-        return Request(self.comm.Iallreduce(MPI.IN_PLACE, [buf, _reduce_type(buf.dtype)],
+        return Request(self._comm.Iallreduce(MPI.IN_PLACE, [buf, _reduce_type(buf.dtype)],
                                             MPI.SUM))
 
     def start_alltoall(self, send, recv) -> Request:
@@ -387,8 +406,8 @@ class Communicator:
             return DONE
         specs = ([_bytes(send), MPI.BYTE], [_bytes(recv), MPI.BYTE])
         return self._start(("alltoall", _address(send), _address(recv), send.nbytes),
-                           lambda: self.comm.Alltoall_init(*specs),
-                           lambda: self.comm.Ialltoall(*specs), send)
+                           lambda: self._comm.Alltoall_init(*specs),
+                           lambda: self._comm.Ialltoall(*specs), send)
 
     def start_allgather(self, buf) -> Request:
         """Start ``allgather_inplace(buf)``."""
@@ -397,8 +416,8 @@ class Communicator:
             return DONE
         spec = [_bytes(buf), MPI.BYTE]
         return self._start(("allgather", _address(buf), buf.nbytes),
-                           lambda: self.comm.Allgather_init(MPI.IN_PLACE, spec),
-                           lambda: self.comm.Iallgather(MPI.IN_PLACE, spec), buf)
+                           lambda: self._comm.Allgather_init(MPI.IN_PLACE, spec),
+                           lambda: self._comm.Iallgather(MPI.IN_PLACE, spec), buf)
 
     def _start(self, key, make_persistent, make_nonblocking, buf) -> Request:
         backend.synchronize(buf)  # MPI may read device memory as soon as it starts

@@ -1,14 +1,12 @@
 """One consolidated file of the full fp32 optimizer state, by parameter name, for other tools.
 
-The file is in the safetensors format: an 8-byte little-endian header length, a JSON header
-giving each tensor's dtype, shape and byte range, then the raw little-endian data. It holds
-``master/<name>`` and one ``<state>/<name>`` per state array of the update rule (Adam:
-``exp_avg``, ``exp_avg_sq``) in float32, and, in ``__metadata__``, the rule, step,
-loss-scaler state and param groups. ``safetensors.numpy.load_file``
-or a few lines of NumPy read it. Both directions stream: rank 0 writes pieces that the owning
-ranks send it in bounded chunks, and each rank reads only the slices it owns, so no rank ever
-holds the full state. The file appears by an atomic rename once complete. Both functions must
-be called on all ranks, with a path every rank sees (for loading).
+A safetensors file (an 8-byte little-endian header length, a JSON header giving each tensor's
+dtype, shape and byte range, then the raw data): ``<row>/<name>`` in float32 for each of the
+optimizer's ``state_rows`` but ``param`` (``master/w``, ``exp_avg/w``, ...), and in
+``__metadata__`` the rule, step, loss scaler and param groups. Both directions stream in
+bounded chunks (rank 0 writes what the owners send it; each rank reads only its own slices),
+and the file appears by an atomic rename once complete. Both functions must be called on all
+ranks, with a path every rank sees (for loading).
 """
 
 from __future__ import annotations
@@ -23,22 +21,24 @@ import numpy as np
 
 from .backend import to_numpy
 from . import backend
-from .checkpoint import CHUNK, CheckpointError, apply_counters, check_rule, read_counters
+from .checkpoint import CHUNK, CheckpointError, check_rule, read_counters
 from .params import group_record
+
+__all__ = ["save_consolidated", "load_consolidated"]
 
 FORMAT = "zero1_mpi.consolidated"
 VERSION = "1"
 
 
-def kinds(opt) -> tuple[str, ...]:
-    """What the file holds per tensor: the master weights and the rule's state."""
-    return ("master", *opt.rule.state_names)
+def _rows(opt) -> tuple[str, ...]:
+    """The ``state_rows`` the file holds: all but the 16-bit ``param`` (the rounded master)."""
+    return tuple(row for row in opt.state_rows if row != "param")
 
 
 def save_consolidated(opt, path) -> Path:
     """Write ``opt``'s full fp32 state to the single file ``path``."""
     comm, file = opt.comm, Path(path)
-    tmp = file.with_name(f".{file.name}.tmp-{comm.comm.bcast(time.time_ns())}")
+    tmp = file.with_name(f".{file.name}.tmp-{comm.bcast_object(time.time_ns())}")
     out = error = None
     if comm.rank == 0:
         try:
@@ -52,7 +52,7 @@ def save_consolidated(opt, path) -> Path:
 
     with comm.abort_on_error(f"while writing {file}"):
         received = np.empty(CHUNK, np.float32) if comm.rank == 0 else None
-        for kind in kinds(opt):
+        for kind in _rows(opt):
             for owner, lo, hi, state in _pieces_in_flat_order(opt.layout):
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
@@ -104,7 +104,7 @@ def load_consolidated(opt, path) -> Path:
                 for start in range(a, b, CHUNK):
                     stop = min(b, start + CHUNK)
                     views = opt.shard_state(start, stop, state + start - lo)
-                    for kind in kinds(opt):
+                    for kind in _rows(opt):
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
                         chunk = buffer[:stop - start]
@@ -114,7 +114,7 @@ def load_consolidated(opt, path) -> Path:
                     if "param" in views:  # the 16-bit parameters are the rounded masters
                         views["param"][...] = views["master"].astype(opt.param_dtype)
         opt.gather_params()
-        apply_counters(opt, counters)
+        opt.restore_counters(*counters)
     return file
 
 
@@ -124,7 +124,7 @@ def _int(text):
 
 def _pieces_in_flat_order(layout):
     """``(owner, lo, hi, state)``: the real elements of the flat range, in order, by owner."""
-    pieces = [(lo, owner, hi, state) for owner in range(layout.world_size)
+    pieces = [(lo, owner, hi, state) for owner in range(layout.group_size)
               for lo, hi, state in layout.owned(owner)]
     return [(owner, lo, hi, state) for lo, owner, hi, state in sorted(pieces)]
 
@@ -137,7 +137,7 @@ def _header(opt) -> bytes:
         "loss_scaler": json.dumps(opt.scaler.state()),
         "param_groups": json.dumps([group_record(g, opt.rule) for g in opt.param_groups])}}
     offset = 0
-    for kind in kinds(opt):
+    for kind in _rows(opt):
         for t in opt.layout.tensors:
             header[f"{kind}/{t.name}"] = {"dtype": "F32", "shape": list(t.shape),
                                           "data_offsets": [offset, offset + 4 * t.numel]}
@@ -170,7 +170,7 @@ def _read_header(opt, file: Path):
                               f"{metadata.get('version')!r})")
     check_rule(opt, metadata.get("rule", "adam"), file)
     entries, data_bytes = {}, size - 8 - length
-    for kind in kinds(opt):
+    for kind in _rows(opt):
         for t in opt.layout.tensors:
             key = f"{kind}/{t.name}"
             info = header.get(key)

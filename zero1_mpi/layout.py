@@ -1,13 +1,13 @@
 """Where every tensor lives in the flat buffers, and which slice each rank owns.
 
 Pure data: no arrays, no MPI. Tensors are packed back to back, in order, into one flat range,
-padded at the end to a multiple of ``world_size * align`` elements. The range is cut into
-buckets (the unit of communication) whose sizes are multiples of that quantum, and each bucket
-into ``world_size`` equal contiguous shards, so one count serves every rank in
-``Reduce_scatter_block`` / ``Allgather``. Tensors may straddle shards and buckets (as in
-Megatron-LM and DeepSpeed), so the padding stays below one quantum and the communication scratch
-is bounded by the bucket size, whatever the tensor sizes. ``Layout.fingerprint`` lets ranks
-check that they built the same layout.
+padded at the end to a multiple of ``group_size * align`` elements (``group_size``: the ranks
+the state is sharded over). The range is cut into buckets (the unit of communication) whose
+sizes are multiples of that quantum, and each bucket into ``group_size`` equal contiguous
+shards, so one count serves every rank in ``Reduce_scatter_block`` / ``Allgather``. Tensors
+may straddle shards and buckets (as in Megatron-LM and DeepSpeed), so the padding stays below
+one quantum and the communication scratch is bounded by the bucket size.
+``Layout.fingerprint`` lets ranks check that they built the same layout.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+
+__all__ = ["Layout", "Bucket", "TensorSlot", "build_layout", "DEFAULT_ALIGN",
+           "DEFAULT_BUCKET_ELEMENTS"]
 
 #: Shards are whole multiples of this many elements (aligned, vector-friendly).
 DEFAULT_ALIGN = 64
@@ -40,16 +43,16 @@ class Bucket:
     offset: int
     used: int
     size: int
-    world_size: int
+    group_size: int
 
     @property
     def shard_size(self) -> int:
-        return self.size // self.world_size
+        return self.size // self.group_size
 
     @property
     def state(self) -> slice:
         """Where this bucket's shard lives in a rank's shard-sized (optimizer state) arrays."""
-        start = self.offset // self.world_size
+        start = self.offset // self.group_size
         return slice(start, start + self.shard_size)
 
     def shard(self, rank: int) -> tuple[int, int]:
@@ -65,9 +68,11 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Layout:
+    """The tensors, the buckets and the param groups' flat ranges, for ``group_size`` shards."""
+
     tensors: tuple[TensorSlot, ...]
     buckets: tuple[Bucket, ...]
-    world_size: int
+    group_size: int
     align: int
     dtype: str
     #: Flat ``(start, stop)`` of each param group: consecutive, covering ``[0, total)``.
@@ -90,7 +95,7 @@ class Layout:
     @property
     def shard_total(self) -> int:
         """Elements one rank owns over all buckets (padding included); equal on every rank."""
-        return self.total // self.world_size
+        return self.total // self.group_size
 
     def pieces(self, start: int, stop: int):
         """``(tensor, lo, hi)`` for each tensor overlapping flat ``[start, stop)``, clipped."""
@@ -98,6 +103,19 @@ class Layout:
             lo, hi = max(start, t.offset), min(stop, t.offset + t.numel)
             if lo < hi:
                 yield t, lo, hi
+
+    def tensor_pieces(self, bucket: Bucket, rank: int) -> list[tuple[int, int, int, int]]:
+        """``(tensor index, param group index, a, b)`` for each piece ``[a, b)`` of a tensor in
+        ``rank``'s shard of ``bucket`` (positions within the shard; padding left out)."""
+        lo, hi = bucket.shard(rank)
+        starts = [group_lo for group_lo, _ in self.groups]
+        pieces = []
+        for index, t in enumerate(self.tensors):
+            a, b = max(lo, t.offset), min(hi, t.offset + t.numel)
+            if a < b:
+                group = sum(start <= t.offset for start in starts) - 1
+                pieces.append((index, group, a - lo, b - lo))
+        return pieces
 
     def owned_real(self, rank: int) -> int:
         return sum(b.owned_real(rank) for b in self.buckets)
@@ -116,27 +134,28 @@ class Layout:
     @property
     def fingerprint(self) -> str:
         """A digest of everything that must agree across ranks before the first collective."""
-        text = repr((self.world_size, self.align, self.dtype,
+        text = repr((self.group_size, self.align, self.dtype,
                      [(t.name, t.shape, t.offset) for t in self.tensors],
                      [(b.offset, b.used, b.size) for b in self.buckets], self.groups))
         return hashlib.sha256(text.encode()).hexdigest()
 
 
-def build_layout(shapes, world_size: int, dtype: str, *,
+def build_layout(shapes, group_size: int, dtype: str, *,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
-                 align: int = DEFAULT_ALIGN, group_sizes=None) -> Layout:
+                 align: int = DEFAULT_ALIGN, param_group_tensors=None) -> Layout:
     """Pack ``shapes`` (an ordered mapping name -> shape) into a padded, bucketed flat range.
 
-    ``group_sizes`` counts the tensors of each param group, in order (default: one group).
+    ``group_size`` is the number of shards per bucket (the ranks the state is sharded over);
+    ``param_group_tensors`` counts the tensors of each param group, in order (default: one group).
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive integer")
     if not isinstance(bucket_elements, int) or bucket_elements < 1:
         raise ValueError(f"bucket_elements={bucket_elements!r} must be a positive integer "
                          f"(default {DEFAULT_BUCKET_ELEMENTS})")
     if not isinstance(align, int) or align < 1:
         raise ValueError(f"align={align!r} must be a positive integer (default {DEFAULT_ALIGN})")
-    quantum = world_size * align
+    quantum = group_size * align
 
     tensors, offset = [], 0
     for name, shape in shapes.items():
@@ -145,16 +164,16 @@ def build_layout(shapes, world_size: int, dtype: str, *,
         offset += numel
     total = max(1, math.ceil(offset / quantum)) * quantum
     bucket_size = math.ceil(bucket_elements / quantum) * quantum
-    buckets = tuple(Bucket(index, start, max(0, min(offset - start, size)), size, world_size)
+    buckets = tuple(Bucket(index, start, max(0, min(offset - start, size)), size, group_size)
                     for index, start in enumerate(range(0, total, bucket_size))
                     for size in [min(bucket_size, total - start)])
-    group_sizes = [len(tensors)] if group_sizes is None else list(group_sizes)
-    if sum(group_sizes) != len(tensors) or min(group_sizes, default=0) < 0:
-        raise ValueError(f"group_sizes={group_sizes!r} must count the {len(tensors)} tensors")
+    counts = [len(tensors)] if param_group_tensors is None else list(param_group_tensors)
+    if sum(counts) != len(tensors) or min(counts, default=0) < 0:
+        raise ValueError(f"param_group_tensors={counts!r} must count the {len(tensors)} tensors")
     bounds, first = [0], 0
-    for count in group_sizes[:-1]:
+    for count in counts[:-1]:
         first += count
         bounds.append(tensors[first].offset if first < len(tensors) else offset)
     bounds.append(total)  # the padding belongs to the last group
     groups = tuple(zip(bounds[:-1], bounds[1:]))
-    return Layout(tuple(tensors), buckets, world_size, align, dtype, groups)
+    return Layout(tuple(tensors), buckets, group_size, align, dtype, groups)

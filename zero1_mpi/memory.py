@@ -1,10 +1,10 @@
-"""Per-rank memory of ZeRO data parallelism: the seed's formulas and what one rank measures.
+"""Per-rank memory of ZeRO data parallelism: the ZeRO formulas and what one rank measures.
 
-Formulas give bytes per rank (floats: the seed divides) for Ψ parameters and N ranks, Adam with
-16-bit params/grads and fp32 master, m, v by default; ``k`` is the bytes per parameter of the
-sharded part for other update rules (``rule_bytes_per_param``: Adam and LAMB 12, SGD with
-momentum and Lion 8, plain SGD 4). ``MemoryReport`` is what one optimizer rank really holds, in
-bytes, split so that every byte is counted once. Stdlib only: no numpy, no MPI.
+Formulas give bytes per rank (floats: the reference chapter divides) for Ψ parameters and N
+ranks, Adam with 16-bit params/grads and fp32 master, m, v by default; ``k`` is the bytes per
+parameter of the sharded part for other update rules (``rules.registry.rule_bytes_per_param``
+gives each built-in rule's). ``MemoryReport`` is what one optimizer rank really holds, in
+bytes, split so that every byte is counted once. Stdlib only: no numpy, no MPI, no rules.
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
+
+__all__ = ["MemoryReport", "STAGES", "STAGE1_FP32", "MIXED_DTYPES", "FP32_DTYPES",
+           "bytes_per_param", "stage_terms", "baseline_bytes", "stage1_bytes", "stage2_bytes",
+           "stage3_bytes", "stage1_fp32_bytes", "format_param_count", "parse_param_count",
+           "format_table"]
 
 #: Bytes per parameter of each stage: (fully replicated terms, terms divided among N ranks),
 #: in the seed's order: 16-bit params, 16-bit grads, fp32 master, fp32 m, fp32 v.
@@ -27,10 +32,6 @@ STAGES = {
 #: Stage 1 with fp32 params: the param shard is its own master copy (fp32 params, grads; m, v).
 STAGE1_FP32 = ((4, 4), (4, 4))
 
-#: The fp32 state arrays each update rule keeps, one element per parameter (its ``state_names``);
-#: SGD's ``momentum_buffer`` exists only with momentum (``rule_states("sgd", momentum=False)``).
-RULE_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "lamb": ("exp_avg", "exp_avg_sq"),
-               "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
 #: Parameter dtypes with an fp32 master copy in the shard (the seed's 16-bit case) and without.
 MIXED_DTYPES, FP32_DTYPES = ("float16", "bfloat16"), ("float32",)
 
@@ -61,16 +62,6 @@ def _check_k(k):
     return k
 
 
-def rule_states(rule: str, momentum: bool = True) -> tuple[str, ...]:
-    """The fp32 state arrays of ``rule`` (adam, lamb, sgd, lion); plain SGD has none."""
-    try:
-        names = RULE_STATES[rule]
-    except KeyError:
-        raise ValueError(f"unknown update rule {rule!r}; known: {', '.join(RULE_STATES)}") \
-            from None
-    return names if rule != "sgd" or momentum else ()
-
-
 def bytes_per_param(state_names, param_dtype: str = "float16") -> int:
     """K, the bytes per parameter of the sharded part: 4 per fp32 state array in
     ``state_names``, plus the fp32 master's 4 for 16-bit params (fp32 params are their own)."""
@@ -82,13 +73,6 @@ def bytes_per_param(state_names, param_dtype: str = "float16") -> int:
         raise ValueError(f"no stage-1 formula for param_dtype={param_dtype!r}; known: "
                          f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}")
     return master + 4 * len(tuple(state_names))
-
-
-def rule_bytes_per_param(rule: str = "adam", param_dtype: str = "float16",
-                         momentum: bool = True) -> int:
-    """K of an update rule by name: 16-bit params: adam 12, lamb 12, sgd 8 (4 without
-    momentum), lion 8; fp32 params: 8, 8, 4 (0), 4."""
-    return bytes_per_param(rule_states(rule, momentum), param_dtype)
 
 
 def stage_terms(k=12) -> dict:
@@ -210,7 +194,9 @@ class MemoryReport:
     ``padding``: every padding element of all those buffers. ``comm_scratch``: everything else
     held for a step (staging, reduce buffers). So ``total`` is the nbytes of everything held,
     and summed over ranks ``total - formula_bytes`` equals ``padding + comm_scratch`` exactly.
-    ``rule``: the update rule's name, for display.
+    ``group_size``: the ranks the state is sharded over (K; all N ranks without hierarchical
+    sharding), and ``rank`` this rank's place among them. ``rule``: the update rule's name,
+    for display.
     """
 
     parameters: int
@@ -220,13 +206,13 @@ class MemoryReport:
     padding: int
     comm_scratch: int
     psi: int
-    world_size: int
+    group_size: int
     rank: int
     param_dtype: str
     rule: str | None = None
 
     def __post_init__(self):
-        for name in _BYTE_FIELDS + ("psi", "world_size", "rank"):
+        for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
             object.__setattr__(self, name, _count(f"MemoryReport.{name}", getattr(self, name)))
         if not isinstance(self.state, Mapping):
             raise ValueError(f"MemoryReport.state={self.state!r} must map each state array's "
@@ -238,9 +224,9 @@ class MemoryReport:
                                  f"array name such as 'exp_avg'")
             state[name] = _count(f"MemoryReport.state[{name!r}]", value)
         object.__setattr__(self, "state", state)
-        if self.world_size < 1 or self.rank >= self.world_size:
-            raise ValueError(f"MemoryReport rank={self.rank} world_size={self.world_size}: "
-                             f"need world_size >= 1 and 0 <= rank < world_size")
+        if self.group_size < 1 or self.rank >= self.group_size:
+            raise ValueError(f"MemoryReport rank={self.rank} group_size={self.group_size}: "
+                             f"need group_size >= 1 and 0 <= rank < group_size")
         if not isinstance(self.param_dtype, str):
             raise ValueError(f"MemoryReport.param_dtype={self.param_dtype!r} must be a dtype "
                              f"name such as 'float16'; pass numpy.dtype(d).name")
@@ -250,7 +236,7 @@ class MemoryReport:
 
     def __hash__(self):
         return hash((*(getattr(self, name) for name in _BYTE_FIELDS),
-                     frozenset(self.state.items()), self.psi, self.world_size, self.rank,
+                     frozenset(self.state.items()), self.psi, self.group_size, self.rank,
                      self.param_dtype, self.rule))
 
     @property
@@ -283,8 +269,8 @@ class MemoryReport:
         4Ψ+4Ψ+KΨ/N (fp32; Adam 8Ψ/N)."""
         k = self.bytes_per_param
         if self.param_dtype in FP32_DTYPES:
-            return stage1_fp32_bytes(self.psi, self.world_size, k)
-        return stage1_bytes(self.psi, self.world_size, k)
+            return stage1_fp32_bytes(self.psi, self.group_size, k)
+        return stage1_bytes(self.psi, self.group_size, k)
 
     @property
     def formula_label(self) -> str:
@@ -293,9 +279,10 @@ class MemoryReport:
         return f"{replicated}+{self.bytes_per_param}Ψ/N"
 
     @property
-    def seed_formula_bytes(self) -> float:
-        """The seed's 2Ψ + 2Ψ + 12Ψ/N, whatever the dtype and rule."""
-        return stage1_bytes(self.psi, self.world_size)
+    def adam16_formula_bytes(self) -> float:
+        """2Ψ + 2Ψ + 12Ψ/N: stage 1 for 16-bit parameters and Adam (the reference chapter's
+        formula), whatever this report's dtype and rule."""
+        return stage1_bytes(self.psi, self.group_size)
 
     def as_dict(self) -> dict:
         """The fields only (JSON-ready); ``MemoryReport(**d)`` rebuilds the report."""
@@ -304,7 +291,7 @@ class MemoryReport:
     def __str__(self) -> str:
         mib = 2.0**20
         rule = f", {self.rule}" if self.rule else ""
-        lines = [f"rank {self.rank}/{self.world_size}: {self.psi} {self.param_dtype} "
+        lines = [f"rank {self.rank}/{self.group_size}: {self.psi} {self.param_dtype} "
                  f"parameters{rule}",
                  f"  {'category':<16}{'bytes':>14}{'MiB':>11}"]
         rows = [(name, getattr(self, name)) for name in _BYTE_FIELDS[:3]]

@@ -1,15 +1,13 @@
 """An NCCL communicator for CuPy buffers behind the ``Communicator`` interface (GPU fast path).
 
-Optional: ``ZeroAdam(params, comm=NcclCommunicator(MPI.COMM_WORLD))`` with CuPy parameters.
-Collectives on device buffers run through NCCL (``cupy.cuda.nccl``), with no staging and no
-CUDA-aware MPI needed; agreement, the few host numbers of each step and checkpoint traffic stay
-on MPI, which also carries NCCL's unique id from rank 0 to the others. Blocking collectives run
-on the current CuPy stream. Started ones (``start_*``: the engine's per-bucket reductions and
-gathers) run on a stream of their own, after an event recorded on the current stream (so after
-the kernels that wrote the gradients), and return a request whose ``wait()`` makes the current
-stream wait for them (no host synchronisation); so reductions overlap a backward pass that goes
-on queueing work. Pick each rank's GPU (by node-local rank) before building it. Must be built
-on all ranks; a rank whose NCCL initialisation fails makes every rank raise, none hangs.
+``ZeroAdam(cupy_params, comm=NcclCommunicator(MPI.COMM_WORLD))``: collectives on device buffers
+run through NCCL (``cupy.cuda.nccl``), with no staging and no CUDA-aware MPI; agreement, host
+numbers and checkpoint traffic stay on MPI, which also carries NCCL's unique id. Blocking
+collectives run on the current CuPy stream; started ones on the communicator's own stream,
+after an event on the current stream, and their ``wait()`` makes the current stream wait (no
+host synchronisation). Pick each rank's GPU (by node-local rank) before building it. Must be
+built on all ranks; a rank whose NCCL initialisation fails makes every rank raise, none hangs.
+It cannot ``split`` (so no hierarchical sharding yet).
 """
 
 from __future__ import annotations
@@ -18,6 +16,8 @@ import numpy as np
 
 from . import backend
 from .comm import Communicator, Request
+
+__all__ = ["NcclCommunicator", "exchange_unique_id"]
 
 
 def _nccl():
@@ -33,7 +33,13 @@ def _nccl():
 
 
 class NcclCommunicator(Communicator):
-    """``Communicator`` whose device-buffer collectives go through NCCL."""
+    """``Communicator`` whose device-buffer collectives go through NCCL.
+
+    Args:
+        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None).
+    """
+
+    supports_split = False
 
     def __init__(self, comm=None):
         super().__init__(comm, cuda_aware=False)
@@ -51,6 +57,13 @@ class NcclCommunicator(Communicator):
         self.nccl = self.collective_call(lambda: nccl.NcclCommunicator(self.size, uid, self.rank),
                                          "NCCL's communicator initialisation")
         self.stream = backend.xp_for("cupy").cuda.Stream(non_blocking=True)
+
+    def split(self, color: int) -> Communicator:
+        """Not available: raises NotImplementedError (an NCCL communicator per group is not
+        built yet)."""
+        raise NotImplementedError("NcclCommunicator cannot split into sub-communicators, so "
+                                  "it cannot run hierarchical sharding (shard_group_size): "
+                                  "shard over all ranks, or use zero1_mpi.Communicator (MPI)")
 
     # Device buffers through NCCL; host buffers (tests, checkpoints) through MPI as before.
 
@@ -152,7 +165,7 @@ def exchange_unique_id(comm: Communicator, make_id):
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = exc
     comm.agree(error)
-    return comm.comm.bcast(uid)
+    return comm.bcast_object(uid)
 
 
 def _ptr(buf) -> int:

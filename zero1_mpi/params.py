@@ -20,6 +20,9 @@ import numpy as np
 
 from . import backend
 
+__all__ = ["normalize_groups", "group_options", "group_record", "restore_options",
+           "decay_groups", "check_arrays", "check_reduce_dtype", "check_max_grad_norm"]
+
 REDUCE_DTYPES = ("float32", "float16")
 
 
@@ -56,6 +59,12 @@ def normalize_groups(params, defaults: dict, rule) -> tuple[list[dict], dict]:
     if not arrays:
         raise ValueError("params is empty: pass at least one named array")
     return groups, arrays
+
+
+def group_options(group: dict, rule, kind=list):
+    """A group's rule options, as a list of ``(key, value)`` pairs or (``kind=dict``) a dict."""
+    pairs = [(key, group.get(key)) for key in rule.options]
+    return dict(pairs) if kind is dict else pairs
 
 
 def group_record(group: dict, rule) -> dict:

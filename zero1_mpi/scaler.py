@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+__all__ = ["LossScaler", "FLOAT32_MAX"]
+
 FLOAT32_MAX = 3.4028234663852886e38  # gradients are at most fp32: a larger scale is useless
 
 

@@ -1,11 +1,12 @@
-"""The README's smallest complete rule ("Adding an update rule"), run as written: N ranks
-against one process running the same rule on the averaged gradients (float64), in fp32 and
-bf16, with clipping; then a checkpoint saved on N ranks loads on one (rank 0, alone) and
-steps on as the N ranks do.
+"""The README's complete rule file ("Adding an update rule"), run as written: N ranks against
+one process running the same rule on the averaged gradients (float64), in fp32 and bf16, with
+clipping; then a checkpoint saved on N ranks loads on one (rank 0, alone) and steps on as the
+N ranks do. The block is written to ``DIR/rank<r>/sign_momentum.py`` and imported.
 
     mpiexec -n N python -m mpi4py tests/cases/readme_rule.py DIR
 """
 
+import importlib
 import re
 import sys
 from pathlib import Path
@@ -20,12 +21,14 @@ from zero1_mpi.backend import resolve_dtype
 README = Path(__file__).resolve().parents[2] / "README.md"
 section = README.read_text().split("### Adding an update rule", 1)[1]
 code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-namespace = {}
-exec(compile(code, "README.md (Adding an update rule)", "exec"), namespace)
-ZeroSignMomentum = namespace["ZeroSignMomentum"]
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
+home = Path(sys.argv[1]) / f"rank{rank}"
+home.mkdir(parents=True, exist_ok=True)
+(home / "sign_momentum.py").write_text(code)
+sys.path.insert(0, str(home))
+ZeroSignMomentum = importlib.import_module("sign_momentum").ZeroSignMomentum
 SHAPES = {"w": (7, 5), "b": (5,), "s": ()}
 LR, BETA, STEPS = 1e-2, 0.8, 6
 

@@ -1,16 +1,10 @@
-"""Adam and AdamW as an update rule: ``torch.optim.Adam`` / ``AdamW`` on one shard.
+"""Adam and AdamW: ``torch.optim.Adam`` / ``AdamW`` on one shard, and ``ZeroAdam``/``ZeroAdamW``.
 
-The rule (see ``zero1_mpi.rules``) keeps ``exp_avg`` and ``exp_avg_sq``; its param-group
-options are ``lr``, ``betas``, ``eps`` and ``weight_decay``; bias corrections and the other
-step-dependent factors are host scalars computed once per step (``AdamScalars.for_step``).
-Its fused update has three twins, called as ``kernel(grad, master, exp_avg, exp_avg_sq, param,
-scalars)``: the NumPy one here (in place, chunked), the Numba one in ``kernels_numba`` (the same
-bits) and a CuPy ``ElementwiseKernel`` here. Each takes the gradient in any supported dtype (it
-is multiplied by ``grad_scale`` first, which turns a sum over ranks into a mean), updates the
-fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` in place, and writes the new value, rounded to
-the parameter dtype, into ``param`` when the parameters are 16-bit. For fp32 parameters
-``master`` *is* the parameter shard and ``param`` is None. Eps is outside the square root; weight
-decay is L2 (Adam) or decoupled (AdamW).
+State: ``exp_avg``, ``exp_avg_sq``. Per owned element, in fp32: ``g = grad * grad_scale`` (+
+``weight_decay * p`` for Adam's L2); ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 v + (1 -
+beta2) g^2``; ``p *= 1 - lr wd`` (AdamW); ``p -= lr / (1 - beta1^t) * m / (sqrt(v) /
+sqrt(1 - beta2^t) + eps)``, eps outside the square root. Bias corrections are host scalars
+(``AdamScalars.for_step``). Twins: ``NumpyAdam``, ``NumbaAdam`` (the same bits), ``CupyAdam``.
 """
 
 from __future__ import annotations
@@ -21,20 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
+from ..engine import ShardedOptimizer, with_engine_options
+from ..kernels_numba import FP16_TABLE, NumbaKernel, fp32_chunk, jit, param_bits, round_params, \
+    split_grad
 from ..reductions import NUMPY_CHUNK
+from . import Rule
 from .options import betas as check_betas
 from .options import non_negative
 
-
-def check_options(lr, betas, eps, weight_decay) -> dict:
-    """The four Adam options as floats, or a ValueError naming the bad one."""
-    return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.999)"),
-            "eps": non_negative(eps, "eps", " (torch's default is 1e-8)"),
-            "weight_decay": non_negative(weight_decay, "weight_decay")}
+__all__ = ["Adam", "AdamScalars", "NumpyAdam", "NumbaAdam", "CupyAdam", "ZeroAdam",
+           "ZeroAdamW"]
 
 
-class Adam:
-    """The rule object the engine drives (``decoupled``: AdamW's weight decay)."""
+class Adam(Rule):
+    """The rule (``decoupled``: AdamW's weight decay)."""
 
     name = "adam"
     state_names = ("exp_avg", "exp_avg_sq")
@@ -43,26 +37,31 @@ class Adam:
     def __init__(self, decoupled: bool):
         self.decoupled = decoupled
 
+    @classmethod
+    def variants(cls) -> tuple[Adam, ...]:
+        """AdamW, then Adam (their kernels are the same; their scalars differ)."""
+        return cls(True), cls(False)
+
     def settings(self) -> dict:
-        """What every rank's rule must share, beside the param groups' options (checked)."""
         if not isinstance(self.decoupled, bool):
             raise TypeError(f"decoupled_weight_decay={self.decoupled!r} must be True or False")
         return {"rule": self.name, "decoupled_weight_decay": self.decoupled}
 
-    check_options = staticmethod(check_options)  # the group options, normalized or a ValueError
+    @staticmethod
+    def check_options(lr, betas, eps, weight_decay) -> dict:
+        """The four Adam options as floats, or a ValueError naming the bad one."""
+        return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.999)"),
+                "eps": non_negative(eps, "eps", " (torch's default is 1e-8)"),
+                "weight_decay": non_negative(weight_decay, "weight_decay")}
 
     def scalars(self, step: int, options: dict, grad_scale: float) -> AdamScalars:
         return AdamScalars.for_step(step, **options, decoupled=self.decoupled,
                                     grad_scale=grad_scale)
 
-    @staticmethod
-    def kernel(kind: str, largest: int = NUMPY_CHUNK):
-        """The fused update for ``kind`` (``"cupy"``, ``"numba"`` or ``"numpy"``); ``largest``
-        is the most elements one call will see (it caps the CPU scratch)."""
+    def kernel(self, kind: str, largest: int = NUMPY_CHUNK):
         if kind == "cupy":
             return CupyAdam()
         if kind == "numba":
-            from ..kernels_numba import NumbaAdam
             return NumbaAdam(largest)
         return NumpyAdam(min(NUMPY_CHUNK, largest))
 
@@ -93,8 +92,10 @@ class AdamScalars:
                    bc2_sqrt=math.sqrt(1.0 - beta2 ** step))
 
 
+# -- the NumPy twin ------------------------------------------------------------------------------
+
 class NumpyAdam:
-    """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
+    """In place, chunked; scratch is allocated once, never per step."""
 
     def __init__(self, chunk: int = NUMPY_CHUNK):
         self.chunk = max(1, chunk)
@@ -136,7 +137,53 @@ class NumpyAdam:
             np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
 
 
-# The CuPy twin. ``grad`` and ``param`` are templated (G, P): float32, float16 or bfloat16.
+# -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
+
+@jit(inline="never")
+def _numba_update(grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step,
+                  bc2_sqrt):
+    """One chunk, fp32 gradient in, state in place."""
+    for i in range(master.size):
+        g = grad[i] * grad_scale                         # mean gradient
+        p = master[i]
+        if l2 != 0:
+            g = g + p * l2                               # Adam: L2 term
+        mi = m[i]
+        mi = mi + (g - mi) * omb1                        # m = lerp(m, g, 1 - beta1)
+        vi = v[i] * beta2 + (g * g) * omb2               # v = beta2 v + (1 - beta2) g^2
+        if decay != 1:
+            p = p * decay                                # AdamW: p *= 1 - lr wd
+        denom = np.sqrt(vi) / bc2_sqrt + eps             # bias-corrected sqrt(v) + eps
+        m[i] = mi
+        v[i] = vi
+        master[i] = p + (mi / denom) * neg_step          # p -= lr / (1 - beta1^t) m / denom
+
+
+@jit
+def _numba_adam(grad32, grad16, grad_kind, master, m, v, param16, param_kind, table, scratch,
+                grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt):
+    n = master.size
+    for start in range(0, n, scratch.size):
+        stop = min(n, start + scratch.size)
+        grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
+        _numba_update(grad, master[start:stop], m[start:stop], v[start:stop], grad_scale,
+                      beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt)
+        round_params(master[start:stop], param16[start:stop], param_kind)
+
+
+class NumbaAdam(NumbaKernel):
+    """One compiled pass over each cache-sized chunk; the bits of ``NumpyAdam``."""
+
+    def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
+        f = np.float32
+        _numba_adam(*split_grad(grad), master, exp_avg, exp_avg_sq, *param_bits(param),
+                    FP16_TABLE, self._scratch, f(s.grad_scale), f(s.beta2),
+                    f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.eps), f(s.l2), f(s.decay),
+                    f(-s.step_size), f(s.bc2_sqrt))
+
+
+# -- the CuPy twin; ``grad`` and ``param`` are templated (G, P): float32, float16 or bfloat16 ----
+
 _CUDA_IN = ("G grad, float32 grad_scale, float32 beta2, float32 one_minus_beta1, "
             "float32 one_minus_beta2, float32 eps, float32 l2, float32 decay, "
             "float32 step_size, float32 bc2_sqrt")
@@ -171,7 +218,7 @@ def _cuda_kernel(kind: str):
 
 
 class CupyAdam:
-    """The CuPy twin: one fused kernel launch per shard range, queued on the current stream."""
+    """One fused kernel launch per shard range, queued on the current stream."""
 
     scratch_bytes = 0
 
@@ -184,3 +231,42 @@ class CupyAdam:
             _cuda_kernel("fp32")(*args, master, exp_avg, exp_avg_sq)
         else:
             _cuda_kernel("mixed")(*args, master, exp_avg, exp_avg_sq, param)
+
+
+# -- the optimizers ------------------------------------------------------------------------------
+
+@with_engine_options
+class ZeroAdam(ShardedOptimizer):
+    """Adam (``torch.optim.Adam`` semantics) with its state sharded over MPI ranks.
+
+    Args:
+        params: a mapping name -> NumPy or CuPy array, or param groups with ``lr``,
+            ``betas``, ``eps``, ``weight_decay`` (see ``ShardedOptimizer``).
+        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None) or a
+            ``Communicator``.
+        lr, betas, eps, weight_decay: as in ``torch.optim.Adam``; defaults for the groups.
+        decoupled_weight_decay: AdamW's decay (``p *= 1 - lr * wd``) instead of L2.
+    """
+
+    def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, *, decoupled_weight_decay=False, **engine):
+        super().__init__(params, comm, Adam(decoupled_weight_decay),
+                         {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+                         **engine)
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        return self.rule.decoupled
+
+
+@with_engine_options
+class ZeroAdamW(ZeroAdam):
+    """AdamW (``torch.optim.AdamW`` semantics): ``ZeroAdam`` with decoupled weight decay."""
+
+    def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, *, decoupled_weight_decay=True, **engine):
+        super().__init__(params, comm, lr, betas, eps, weight_decay,
+                         decoupled_weight_decay=decoupled_weight_decay, **engine)
+
+
+RULE, OPTIMIZER = Adam, ZeroAdam  # what rules.registry lists

@@ -1,20 +1,13 @@
-"""LAMB as an update rule (You et al. 2020): Adam's moments with a per-tensor trust ratio.
+"""LAMB (You et al. 2020): Adam's moments with a per-tensor trust ratio, and ``ZeroLAMB``.
 
-Per owned element, in fp32: ``g = grad * grad_scale``; ``m = lerp(m, g, 1 - beta1)``; ``v =
-beta2 v + (1 - beta2) g^2``; ``u = (m / (1 - beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps) +
-weight_decay * p`` (the bias corrections applied as host reciprocals, so one division per
-element). Per whole tensor: ``r = ||p|| / ||u||`` (1 where either norm is 0), and
-``p -= lr * r * u``. State: ``exp_avg`` and ``exp_avg_sq``, as Adam's.
-
-The norms are over whole tensors while tensors straddle shards and buckets, so the rule runs
-in two phases (``tensor_sums = 2``, see ``zero1_mpi.rules``): ``kernel.tensor_sums(grad,
-master, exp_avg, exp_avg_sq, scalars)`` updates the moments over one piece of one tensor and
-returns that piece's ``[sum p^2, sum u^2]``; the engine adds the pieces, sums them over ranks
-in one ``Allreduce`` per step, and ``Lamb.tensor_scalars`` turns each tensor's totals into its
-step; ``kernel.apply(master, exp_avg, exp_avg_sq, param, scalars)`` then recomputes ``u`` (the
-same operations, so the same bits) and moves ``p``. Three twins: NumPy here, Numba in
-``kernels_numba`` (the same bits: the same float32 operations, and the sums through the same
-BLAS dot products over the same chunks), CuPy here.
+Per owned element, in fp32: ``g = grad * grad_scale``; Adam's ``m`` and ``v``; ``u = (m / (1 -
+beta1^t)) / (sqrt(v) / sqrt(1 - beta2^t) + eps) + weight_decay * p`` (bias corrections as host
+reciprocals). Per whole tensor: ``r = ||p|| / ||u||`` (1 where either norm is 0), ``p -= lr r
+u``. State: ``exp_avg``, ``exp_avg_sq``. The norms span tensors that straddle shards, so it is
+a two-phase rule (``tensor_sums = 2``): ``tensor_sums`` updates the moments over a piece and
+returns its ``[sum p^2, sum u^2]``, the engine sums those per tensor over ranks, and ``apply``
+recomputes ``u`` (the same bits) and moves ``p``. Twins: ``NumpyLamb``, ``NumbaLamb`` (the
+same bits, the same BLAS dot products over the same chunks), ``CupyLamb``.
 """
 
 from __future__ import annotations
@@ -25,29 +18,31 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import backend
+from ..engine import ShardedOptimizer, with_engine_options
+from ..kernels_numba import FP16_TABLE, compile_marked, fp32_chunk, jit, param_bits, \
+    round_params, split_grad
 from ..reductions import NUMPY_CHUNK, CupyReductions
+from . import Rule
 from .options import betas as check_betas
 from .options import non_negative
 
-
-def check_options(lr, betas, eps, weight_decay) -> dict:
-    """The four LAMB options as floats, or a ValueError naming the bad one and the fix."""
-    return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.999)"),
-            "eps": non_negative(eps, "eps", " (LAMB's usual value is 1e-6)"),
-            "weight_decay": non_negative(weight_decay, "weight_decay")}
+__all__ = ["Lamb", "LambScalars", "NumpyLamb", "NumbaLamb", "CupyLamb", "ZeroLAMB"]
 
 
-class Lamb:
-    """The rule object the engine drives."""
+class Lamb(Rule):
+    """The rule."""
 
     name = "lamb"
     state_names = ("exp_avg", "exp_avg_sq")
     options = ("lr", "betas", "eps", "weight_decay")
-    check_options = staticmethod(check_options)
     tensor_sums = 2  # per tensor: sum p^2, sum u^2
 
-    def settings(self) -> dict:
-        return {"rule": self.name}
+    @staticmethod
+    def check_options(lr, betas, eps, weight_decay) -> dict:
+        """The four LAMB options as floats, or a ValueError naming the bad one and the fix."""
+        return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.999)"),
+                "eps": non_negative(eps, "eps", " (LAMB's usual value is 1e-6)"),
+                "weight_decay": non_negative(weight_decay, "weight_decay")}
 
     @staticmethod
     def scalars(step: int, options: dict, grad_scale: float) -> LambScalars:
@@ -71,7 +66,6 @@ class Lamb:
         if kind == "cupy":
             return CupyLamb()
         if kind == "numba":
-            from ..kernels_numba import NumbaLamb
             return NumbaLamb(largest)
         return NumpyLamb(largest)
 
@@ -92,8 +86,10 @@ class LambScalars:
     neg_step: float = 0.0    # -lr * trust ratio, set by Lamb.tensor_scalars
 
 
+# -- the NumPy twin ------------------------------------------------------------------------------
+
 class NumpyLamb:
-    """The NumPy twin: in place, chunked; scratch is allocated once, never per step.
+    """In place, chunked; scratch is allocated once, never per step.
 
     ``_direction`` and ``_apply`` do the elementwise work of one chunk; the Numba twin
     replaces only those two, so the chunks, and the dot products over them, are the same.
@@ -158,8 +154,74 @@ class NumpyLamb:
         if param is not None:
             np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
 
+# -- the Numba twin: the NumPy twin's chunks, dot products and float32 operations ---------------
 
-# The CuPy twin: the moments in one kernel, u^2 summed by a reduction that recomputes u, and
+@jit(inline="never")
+def _numba_direction(grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt,
+                     eps, weight_decay):
+    """The moments and ``u = m inv_bc1 / (sqrt(v) inv_bc2_sqrt + eps) + wd p`` over one
+    chunk: ``NumpyLamb._direction``'s operations in its order."""
+    for i in range(p.size):
+        g = grad[i] * grad_scale                         # mean gradient
+        mi = m[i]
+        mi = mi + (g - mi) * omb1                        # m = lerp(m, g, 1 - beta1)
+        vi = v[i] * beta2 + (g * g) * omb2               # v = beta2 v + (1 - beta2) g^2
+        m[i] = mi
+        v[i] = vi
+        ui = (mi * inv_bc1) / (np.sqrt(vi) * inv_bc2_sqrt + eps)
+        if weight_decay != 0:
+            ui = ui + p[i] * weight_decay
+        u[i] = ui
+
+
+@jit(inline="never")
+def _numba_step(p, m, v, inv_bc1, inv_bc2_sqrt, eps, weight_decay, neg_step):
+    """``p -= lr r u`` over one chunk, ``u`` recomputed as ``_numba_direction`` computed it."""
+    for i in range(p.size):
+        ui = (m[i] * inv_bc1) / (np.sqrt(v[i]) * inv_bc2_sqrt + eps)
+        if weight_decay != 0:
+            ui = ui + p[i] * weight_decay
+        p[i] = p[i] + ui * neg_step
+
+
+@jit
+def _numba_chunk(grad32, grad16, grad_kind, table, scratch, p, m, v, u, grad_scale, beta2,
+                 omb1, omb2, inv_bc1, inv_bc2_sqrt, eps, weight_decay):
+    grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, 0, p.size)
+    _numba_direction(grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt,
+                     eps, weight_decay)
+
+
+@jit
+def _numba_apply(p, m, v, param16, param_kind, inv_bc1, inv_bc2_sqrt, eps, weight_decay,
+                 neg_step):
+    _numba_step(p, m, v, inv_bc1, inv_bc2_sqrt, eps, weight_decay, neg_step)
+    round_params(p, param16, param_kind)
+
+
+class NumbaLamb(NumpyLamb):
+    """``NumpyLamb``'s chunk loop and dot products, with each chunk's elementwise work
+    compiled; the same bits."""
+
+    def __init__(self, largest: int = NUMPY_CHUNK):
+        compile_marked(globals())
+        super().__init__(largest)
+
+    def _direction(self, grad, p, m, v, s):
+        f = np.float32
+        u = self._u[:p.size]
+        _numba_chunk(*split_grad(grad), FP16_TABLE, self._g, p, m, v, u, f(s.grad_scale),
+                     f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.inv_bc1),
+                     f(s.inv_bc2_sqrt), f(s.eps), f(s.weight_decay))
+        return u
+
+    def _apply(self, p, m, v, param, s) -> None:
+        f = np.float32
+        _numba_apply(p, m, v, *param_bits(param), f(s.inv_bc1), f(s.inv_bc2_sqrt), f(s.eps),
+                     f(s.weight_decay), f(s.neg_step))
+
+
+# -- the CuPy twin: the moments in one kernel, u^2 summed by a reduction that recomputes u, and
 # the update in a second elementwise kernel; all three share this device function.
 _CUDA_DIRECTION = r"""
 __device__ float zero1_lamb_u(float m, float v, float p, float inv_bc1, float inv_bc2_sqrt,
@@ -211,7 +273,7 @@ def _cuda_kernel(kind: str):
 
 
 class CupyLamb:
-    """The CuPy twin: kernel launches on the current stream; the sums stay on the device."""
+    """Kernel launches on the current stream; the sums stay on the device."""
 
     scratch_bytes = 0
 
@@ -237,3 +299,27 @@ class CupyLamb:
     def _direction_args(s: LambScalars):
         return tuple(np.float32(x) for x in (s.inv_bc1, s.inv_bc2_sqrt, s.eps,
                                              s.weight_decay))
+
+
+# -- the optimizer -------------------------------------------------------------------------------
+
+@with_engine_options
+class ZeroLAMB(ShardedOptimizer):
+    """LAMB with its ``exp_avg`` and ``exp_avg_sq`` sharded over MPI ranks: Adam's
+    bias-corrected direction plus ``weight_decay * p``, scaled per tensor by the trust ratio
+    ``||p|| / ||u||`` (norms over whole tensors, from the shards with one ``Allreduce`` per
+    step).
+
+    Args:
+        params, comm: as for ``ZeroAdam`` (group options: these four).
+        lr, betas, eps, weight_decay: the groups' defaults.
+    """
+
+    def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, **engine):
+        super().__init__(params, comm, Lamb(),
+                         {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+                         **engine)
+
+
+RULE, OPTIMIZER = Lamb, ZeroLAMB  # what rules.registry lists

@@ -1,10 +1,10 @@
-"""Lion as an update rule (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms").
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on one shard, and
+``ZeroLion``.
 
 Per owned element, in fp32: ``g = grad * grad_scale``; ``c = beta1 * m + (1 - beta1) * g``;
 ``p = p * (1 - lr * weight_decay) - lr * sign(c)``; ``m = beta2 * m + (1 - beta2) * g``. One
-state array, ``exp_avg``. The same three twins as Adam's (NumPy here, Numba in
-``kernels_numba`` with the same bits, CuPy here), called as ``kernel(grad, master, exp_avg,
-param, scalars)``.
+state array, ``exp_avg``. Twins: ``NumpyLion``, ``NumbaLion`` (the same bits), ``CupyLion``;
+called as ``kernel(grad, master, exp_avg, param, scalars)``.
 """
 
 from __future__ import annotations
@@ -14,27 +14,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
+from ..engine import ShardedOptimizer, with_engine_options
+from ..kernels_numba import FP16_TABLE, NumbaKernel, fp32_chunk, jit, param_bits, round_params, \
+    split_grad
 from ..reductions import NUMPY_CHUNK
+from . import Rule
 from .options import betas as check_betas
 from .options import non_negative
 
-
-def check_options(lr, betas, weight_decay) -> dict:
-    """The Lion options as floats, or a ValueError naming the bad one and the fix."""
-    return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.99)"),
-            "weight_decay": non_negative(weight_decay, "weight_decay")}
+__all__ = ["Lion", "LionScalars", "NumpyLion", "NumbaLion", "CupyLion", "ZeroLion"]
 
 
-class Lion:
-    """The rule object the engine drives."""
+class Lion(Rule):
+    """The rule."""
 
     name = "lion"
     state_names = ("exp_avg",)
     options = ("lr", "betas", "weight_decay")
-    check_options = staticmethod(check_options)
 
-    def settings(self) -> dict:
-        return {"rule": self.name}
+    @staticmethod
+    def check_options(lr, betas, weight_decay) -> dict:
+        """The Lion options as floats, or a ValueError naming the bad one and the fix."""
+        return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.99)"),
+                "weight_decay": non_negative(weight_decay, "weight_decay")}
 
     @staticmethod
     def scalars(step: int, options: dict, grad_scale: float) -> LionScalars:
@@ -49,7 +51,6 @@ class Lion:
         if kind == "cupy":
             return CupyLion()
         if kind == "numba":
-            from ..kernels_numba import NumbaLion
             return NumbaLion(largest)
         return NumpyLion(min(NUMPY_CHUNK, largest))
 
@@ -67,8 +68,10 @@ class LionScalars:
     neg_lr: float
 
 
+# -- the NumPy twin ------------------------------------------------------------------------------
+
 class NumpyLion:
-    """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
+    """In place, chunked; scratch is allocated once, never per step."""
 
     def __init__(self, chunk: int = NUMPY_CHUNK):
         self.chunk = max(1, chunk)
@@ -101,6 +104,45 @@ class NumpyLion:
         if param is not None:
             np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
 
+# -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
+
+@jit(inline="never")
+def _numba_update(grad, master, m, grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr):
+    """One chunk, fp32 gradient in, state in place."""
+    for i in range(master.size):
+        g = grad[i] * grad_scale                         # mean gradient
+        mi = m[i]
+        c = mi * beta1 + g * omb1                        # c = b1 m + (1 - b1) g
+        p = master[i]
+        if decay != 1:
+            p = p * decay                                # p *= 1 - lr wd
+        master[i] = p + np.sign(c) * neg_lr              # p -= lr sign(c)
+        m[i] = mi * beta2 + g * omb2                     # m = b2 m + (1 - b2) g
+
+
+@jit
+def _numba_lion(grad32, grad16, grad_kind, master, m, param16, param_kind, table, scratch,
+                grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr):
+    n = master.size
+    for start in range(0, n, scratch.size):
+        stop = min(n, start + scratch.size)
+        grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
+        _numba_update(grad, master[start:stop], m[start:stop], grad_scale, beta1, omb1, beta2,
+                      omb2, decay, neg_lr)
+        round_params(master[start:stop], param16[start:stop], param_kind)
+
+
+class NumbaLion(NumbaKernel):
+    """One compiled pass over each cache-sized chunk; the bits of ``NumpyLion``."""
+
+    def __call__(self, grad, master, exp_avg, param, s: LionScalars) -> None:
+        f = np.float32
+        _numba_lion(*split_grad(grad), master, exp_avg, *param_bits(param), FP16_TABLE,
+                    self._scratch, f(s.grad_scale), f(s.beta1), f(s.one_minus_beta1),
+                    f(s.beta2), f(s.one_minus_beta2), f(s.decay), f(s.neg_lr))
+
+
+# -- the CuPy twin -------------------------------------------------------------------------------
 
 _CUDA_IN = ("G grad, float32 grad_scale, float32 beta1, float32 one_minus_beta1, "
             "float32 beta2, float32 one_minus_beta2, float32 decay, float32 neg_lr")
@@ -130,7 +172,7 @@ def _cuda_kernel(mixed: bool):
 
 
 class CupyLion:
-    """The CuPy twin: one fused kernel launch per shard range, on the current stream."""
+    """One fused kernel launch per shard range, queued on the current stream."""
 
     scratch_bytes = 0
 
@@ -142,3 +184,23 @@ class CupyLion:
             _cuda_kernel(False)(*args, master, exp_avg)
         else:
             _cuda_kernel(True)(*args, master, exp_avg, param)
+
+
+# -- the optimizer -------------------------------------------------------------------------------
+
+@with_engine_options
+class ZeroLion(ShardedOptimizer):
+    """Lion with its ``exp_avg`` sharded over MPI ranks.
+
+    Args:
+        params, comm: as for ``ZeroAdam`` (group options: these three).
+        lr, betas, weight_decay: the groups' defaults.
+    """
+
+    def __init__(self, params, comm=None, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
+                 **engine):
+        super().__init__(params, comm, Lion(),
+                         {"lr": lr, "betas": betas, "weight_decay": weight_decay}, **engine)
+
+
+RULE, OPTIMIZER = Lion, ZeroLion  # what rules.registry lists

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 
+__all__ = ["number", "non_negative", "betas"]
+
 
 def number(value, name: str) -> float:
     """A finite number, as a float (bools are refused)."""

@@ -1,13 +1,13 @@
-"""SGD as an update rule: ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay).
+"""SGD: ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay) on one shard, and
+``ZeroSGD``.
 
 Per owned element, in fp32: ``g = grad * grad_scale + weight_decay * p``; with momentum, the
 buffer is ``g`` itself on the first step and ``momentum * b + (1 - dampening) * g`` after, and
 the step direction is ``g + momentum * b`` (Nesterov) or ``b``; then ``p -= lr * direction``.
-The only state array is ``momentum_buffer``, allocated only when some param group has a
-non-zero momentum at construction (``SGD(momentum_buffer=...)``); without it a group's
-momentum must stay 0. Its fused update has the same three twins as Adam's: NumPy here, Numba in
-``kernels_numba`` (the same bits), CuPy here; called as ``kernel(grad, master,
-[momentum_buffer,] param, scalars)``.
+The only state array, ``momentum_buffer``, exists only when some param group has a non-zero
+momentum at construction (``SGD(momentum_buffer=...)``); without it a group's momentum must
+stay 0. Twins: ``NumpySGD``, ``NumbaSGD`` (the same bits), ``CupySGD``; called as
+``kernel(grad, master, [momentum_buffer,] param, scalars)``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import backend
+from ..engine import ShardedOptimizer, with_engine_options
+from ..kernels_numba import CHUNK, FP16_TABLE, NO_F32, NumbaKernel, fp32_chunk, jit, param_bits, \
+    round_params, split_grad
 from ..reductions import NUMPY_CHUNK
+from . import Rule
 from .options import non_negative
 
+__all__ = ["SGD", "SGDScalars", "NumpySGD", "NumbaSGD", "CupySGD", "ZeroSGD"]
 
-class SGD:
-    """The rule object the engine drives."""
+
+class SGD(Rule):
+    """The rule (``momentum_buffer``: whether the state array exists)."""
 
     name = "sgd"
     options = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
@@ -30,6 +36,10 @@ class SGD:
     def __init__(self, momentum_buffer: bool):
         self.momentum_buffer = momentum_buffer
         self.state_names = ("momentum_buffer",) if momentum_buffer else ()
+
+    @classmethod
+    def variants(cls) -> tuple[SGD, ...]:
+        return cls(True), cls(False)
 
     def settings(self) -> dict:
         return {"rule": self.name, "momentum_buffer": self.momentum_buffer}
@@ -62,7 +72,6 @@ class SGD:
         if kind == "cupy":
             return CupySGD(self.momentum_buffer)
         if kind == "numba":
-            from ..kernels_numba import NumbaSGD
             return NumbaSGD(self.momentum_buffer, largest)
         return NumpySGD(self.momentum_buffer, min(NUMPY_CHUNK, largest))
 
@@ -85,8 +94,10 @@ def split_args(has_buffer: bool, rest):
     return (rest[0], rest[1], rest[2]) if has_buffer else (None, rest[0], rest[1])
 
 
+# -- the NumPy twin ------------------------------------------------------------------------------
+
 class NumpySGD:
-    """The NumPy twin: in place, chunked; scratch is allocated once, never per step."""
+    """In place, chunked; scratch is allocated once, never per step."""
 
     def __init__(self, has_buffer: bool, chunk: int = NUMPY_CHUNK):
         self.has_buffer = has_buffer
@@ -130,7 +141,59 @@ class NumpySGD:
             np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
 
 
-# The CuPy twin; ``first`` and ``nesterov`` are 0/1 flags; momentum 0 leaves the buffer alone.
+# -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
+
+@jit(inline="never")
+def _numba_update(grad, master, buf, grad_scale, weight_decay, momentum, omd, nesterov, first,
+                  neg_lr):
+    """One chunk, fp32 gradient in, state in place."""
+    for i in range(master.size):
+        g = grad[i] * grad_scale                         # mean gradient
+        p = master[i]
+        if weight_decay != 0:
+            g = g + p * weight_decay                     # L2 weight decay
+        if momentum != 0:
+            if first:
+                b = g                                    # the buffer starts as g
+            else:
+                b = buf[i] * momentum + g * omd          # b = m b + (1 - d) g
+            buf[i] = b
+            if nesterov:
+                g = g + b * momentum                     # Nesterov: g + m b
+            else:
+                g = b
+        master[i] = p + g * neg_lr                       # p -= lr g
+
+
+@jit
+def _numba_sgd(grad32, grad16, grad_kind, master, buf, param16, param_kind, table, scratch,
+               grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr):
+    n = master.size
+    for start in range(0, n, scratch.size):
+        stop = min(n, start + scratch.size)
+        grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
+        _numba_update(grad, master[start:stop], buf[start:stop],
+                      grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr)
+        round_params(master[start:stop], param16[start:stop], param_kind)
+
+
+class NumbaSGD(NumbaKernel):
+    """One compiled pass over each cache-sized chunk; the bits of ``NumpySGD``."""
+
+    def __init__(self, has_buffer: bool, largest: int = CHUNK):
+        super().__init__(largest)
+        self.has_buffer = has_buffer
+
+    def __call__(self, grad, master, *rest) -> None:
+        buf, param, s = split_args(self.has_buffer, rest)
+        f = np.float32
+        momentum = f(s.momentum) if buf is not None else f(0)
+        _numba_sgd(*split_grad(grad), master, NO_F32 if buf is None else buf, *param_bits(param),
+                   FP16_TABLE, self._scratch, f(s.grad_scale), f(s.weight_decay), momentum,
+                   f(s.one_minus_dampening), bool(s.nesterov), bool(s.first), f(s.neg_lr))
+
+
+# -- the CuPy twin; ``first`` and ``nesterov`` are 0/1 flags; momentum 0 leaves the buffer alone -
 _CUDA_IN = ("G grad, float32 grad_scale, float32 weight_decay, float32 momentum, "
             "float32 one_minus_dampening, int32 nesterov, int32 first, float32 neg_lr")
 _CUDA_MATH = r"""
@@ -165,7 +228,7 @@ def _cuda_kernel(mixed: bool, has_buffer: bool):
 
 
 class CupySGD:
-    """The CuPy twin: one fused kernel launch per shard range, on the current stream."""
+    """One fused kernel launch per shard range, queued on the current stream."""
 
     scratch_bytes = 0
 
@@ -183,3 +246,35 @@ class CupySGD:
             _cuda_kernel(False, self.has_buffer)(*args, master, *buffers)
         else:
             _cuda_kernel(True, self.has_buffer)(*args, master, *buffers, param)
+
+
+# -- the optimizer -------------------------------------------------------------------------------
+
+@with_engine_options
+class ZeroSGD(ShardedOptimizer):
+    """SGD (``torch.optim.SGD`` semantics) with its momentum buffer sharded over MPI ranks.
+
+    Args:
+        params, comm: as for ``ZeroAdam`` (group options: these five).
+        lr, momentum, dampening, weight_decay, nesterov: as in ``torch.optim.SGD``; defaults
+            for the groups (settable per group between steps). The momentum buffer (4 bytes
+            per parameter / N) exists only when the default or some group has a non-zero
+            momentum at construction.
+    """
+
+    def __init__(self, params, comm=None, lr=1e-3, momentum=0.0, dampening=0.0,
+                 weight_decay=0.0, nesterov=False, **engine):
+        super().__init__(params, comm, SGD(_wants_momentum(params, momentum)),
+                         {"lr": lr, "momentum": momentum, "dampening": dampening,
+                          "weight_decay": weight_decay, "nesterov": nesterov}, **engine)
+
+
+def _wants_momentum(params, momentum) -> bool:
+    """Whether the default or any group asks for momentum (bad input is reported later)."""
+    groups = params if isinstance(params, (list, tuple)) else []
+    values = [momentum] + [g.get("momentum", 0) for g in groups if isinstance(g, dict)]
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0
+               for v in values)
+
+
+RULE, OPTIMIZER = SGD, ZeroSGD  # what rules.registry lists

@@ -1,0 +1,68 @@
+"""The bucket pipeline through its interface, in one process: readiness starts buckets last to
+first, only once every later bucket has started; usage errors come before any collective;
+``reduce_all`` returns each bucket's shard and begins a new round; ``discard`` forgets a round;
+gathers are counted until waited for. Multi-rank behaviour (bitwise the plain step, on every
+rank) is in tests/cases/overlap.py."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from zero1_mpi import Communicator, build_layout
+from zero1_mpi.buckets import BucketPipeline
+from zero1_mpi.reductions import NumpyReductions
+
+# Three buckets of 64: "a" in the first, "b" across the first two, "c" in the last.
+SHAPES = {"a": (40,), "b": (60,), "c": (50,)}
+
+
+def pipeline():
+    layout = build_layout(SHAPES, 1, "float32", bucket_elements=64)
+    params, grads = np.zeros(layout.total, np.float32), np.zeros(layout.total, np.float32)
+    comm = Communicator(MPI.COMM_SELF)
+    return BucketPipeline(layout, params, grads, comm, None, False, NumpyReductions()), grads
+
+
+def test_buckets_start_last_to_first_once_their_tensors_are_ready():
+    buckets, _ = pipeline()
+    assert len(buckets.layout.buckets) == 3 and buckets.started == ()
+    buckets.mark_ready(buckets.check_ready("a"))  # bucket 0 is ready, 1 and 2 are not
+    assert buckets.started == ()
+    buckets.mark_ready(buckets.check_ready(["c"]))  # bucket 2 ("c" and padding)
+    assert buckets.started == (2,)
+    buckets.mark_ready(buckets.check_ready(["b"]))  # buckets 1, then 0 (waiting for 1)
+    assert buckets.started == (2, 1, 0)
+
+
+def test_usage_errors_come_first_and_change_nothing():
+    buckets, _ = pipeline()
+    buckets.mark_ready(buckets.check_ready("c"))
+    with pytest.raises(KeyError, match="no parameter of that name"):
+        buckets.check_ready(["a", "nope"])
+    with pytest.raises(ValueError, match="again before step"):
+        buckets.check_ready("c")
+    assert buckets.started == (2,)
+
+
+def test_reduce_all_returns_every_shard_and_begins_a_new_round():
+    buckets, grads = pipeline()
+    grads[:] = np.arange(grads.size)
+    buckets.mark_ready(buckets.check_ready("c"))
+    reduced = buckets.reduce_all()
+    assert [r.size for r in reduced] == [64, 64, 64]
+    assert np.array_equal(np.concatenate(reduced), np.arange(grads.size))  # one rank: a view
+    assert buckets.started == ()
+    buckets.mark_ready(buckets.check_ready("c"))  # ready again in the new round
+    assert buckets.started == (2,)
+    buckets.discard()
+    assert buckets.started == ()
+
+
+def test_gathers_are_counted_until_waited_for():
+    buckets, _ = pipeline()
+    for index in (2, 1, 0):
+        buckets.start_gather(index)
+    assert buckets.gathers_in_flight == 3
+    buckets.wait_gathers()
+    assert buckets.gathers_in_flight == 0
+    assert buckets.scratch_bytes == 0  # no 16-bit exchange: no receive slots

@@ -1,0 +1,146 @@
+"""The package's shape holds: no import loop (lazy imports counted), every module imports on its
+own in a fresh interpreter, only ``comm.py`` imports mpi4py (and, tested on 2 ranks in
+tests/cases/mpi_calls.py, calls an mpi4py object), a rule is checked against ``Rule``, and the
+optimizers show the engine's options in their signatures."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpirun import run_mpi
+import zero1_mpi
+from zero1_mpi import ShardedOptimizer, ZeroAdam, ZeroAdamW, ZeroLAMB, ZeroLion, ZeroSGD
+from zero1_mpi.rules import Rule, missing_members
+from zero1_mpi.rules.registry import NAMES, builtin_rules
+
+PACKAGE = Path(zero1_mpi.__file__).resolve().parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in it (functions included); a
+    ``from X import y`` counts ``X.y`` where that is a module, else ``X``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in MODULES else base)
+    if name == "zero1_mpi.rules.registry":  # importlib: the registered rule modules
+        found.update(f"zero1_mpi.rules.{rule}" for rule in NAMES)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def test_the_package_has_no_import_loop():
+    graph = {name: imports_of(name, path) for name, path in MODULES.items()}
+    assert "zero1_mpi.engine" in graph["zero1_mpi.rules.adam"]  # the walk sees imports
+    assert "zero1_mpi.rules.lamb" in graph["zero1_mpi.rules.registry"]
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                loop = stack[stack.index(target):] + [target]
+                raise AssertionError("import loop: " + " -> ".join(loop))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_imports_first_in_a_fresh_interpreter(name):
+    result = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_only_comm_imports_mpi4py():
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom)}
+        assert "mpi4py" not in imported or name == "zero1_mpi.comm", name
+
+
+@pytest.mark.parametrize("n", [4])
+def test_only_comm_calls_mpi4py_objects(n, tmp_path):
+    """A spy communicator records every method called on it (and on the communicators split
+    or duplicated from it) outside ``zero1_mpi.comm``: construction, overlapped steps,
+    hierarchical groups, a layout mismatch, checkpoints and exports call none."""
+    out = run_mpi(n, "mpi_calls.py", str(tmp_path), timeout=180).stdout
+    assert f"OK no mpi4py calls outside comm.py on {n} ranks" in out
+
+
+def test_a_rule_missing_members_is_refused_on_every_rank():
+    class Incomplete:  # duck-typed, without tensor_sums, settings, variants ...
+        name, state_names, options = "incomplete", (), ("lr",)
+
+        def check_options(self, lr):
+            return {"lr": lr}
+
+    assert {"tensor_sums", "scalars", "kernel"} <= set(missing_members(Incomplete()))
+    with pytest.raises(TypeError, match="lacks .*kernel.*subclass zero1_mpi.rules.Rule"):
+        ShardedOptimizer({"w": np.ones(3, np.float32)}, MPI.COMM_SELF, Incomplete(),
+                         {"lr": 0.1})
+    for entry in builtin_rules().values():
+        for rule in entry.variants:
+            assert isinstance(rule, Rule) and not missing_members(rule), rule
+            assert rule.tensor_sums in (0, 2)
+
+
+@pytest.mark.parametrize("cls", [ZeroAdam, ZeroAdamW, ZeroSGD, ZeroLion, ZeroLAMB])
+def test_optimizers_show_the_engine_options_once_declared(cls):
+    """The engine's keyword-only options come from ``ShardedOptimizer`` into each optimizer's
+    signature and docstring (``help()``), and are passed through."""
+    engine = [p for p in inspect.signature(ShardedOptimizer).parameters.values()
+              if p.kind is p.KEYWORD_ONLY]
+    theirs = inspect.signature(cls).parameters
+    assert [theirs[p.name] for p in engine] == engine
+    assert not any(p.kind is p.VAR_KEYWORD for p in theirs.values())
+    assert all(f"{p.name}:" in cls.__doc__ for p in engine)
+    opt = cls({"w": np.ones(3, np.float32)}, MPI.COMM_SELF, param_dtype="bfloat16",
+              max_grad_norm=2.0, bucket_elements=64)
+    assert (opt.param_dtype.name, opt.max_grad_norm) == ("bfloat16", 2.0)
+    with pytest.raises(TypeError, match="bucket_elemnts"):
+        cls({"w": np.ones(3, np.float32)}, MPI.COMM_SELF, bucket_elemnts=64)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_states_its_contract_and_exports(name):
+    """A module docstring that says the contract in about ten lines, and an ``__all__`` whose
+    names exist."""
+    module = __import__(name, fromlist=["_"])
+    assert module.__doc__ and len(module.__doc__.strip().splitlines()) <= 11, name
+    exported = getattr(module, "__all__", None)
+    assert exported and all(hasattr(module, item) for item in exported), name
