@@ -219,8 +219,12 @@ shaping=${rate:+, rate $rate}${delay:+, delay $delay}
 say "$flavor, $n ranks: ${names[0]} (${addrs[0]}) ranks 0-$((per_node - 1)), ${names[1]}" \
     "(${addrs[1]}) ranks $per_node-$((n - 1)); link $LINK$shaping"
 start=$(date +%s.%N)
-ip netns exec "${names[0]}" unshare --uts sh -c 'hostname "$0" && exec "$@"' "${hosts[0]}" \
-  "${launch[@]}" "$@" &
+# The job runs in a session of its own: a Ctrl-C (SIGINT to this script's process group) reaches
+# this script alone, whose trap stops the job in cleanup. Were the launcher in the group too, it
+# could exit from the same SIGINT before bash's wait noticed it, and bash would then ignore the
+# signal (it assumes the child handled it) and exit with the job's status instead of 130.
+setsid ip netns exec "${names[0]}" unshare --uts sh -c 'hostname "$0" && exec "$@"' \
+  "${hosts[0]}" "${launch[@]}" "$@" &
 job=$!
 status=0
 wait "$job" || status=$?

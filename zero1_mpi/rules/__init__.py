@@ -100,8 +100,11 @@ class Rule(Protocol):
 
 
 def missing_members(rule) -> list[str]:
-    """The members of ``Rule`` that ``rule`` lacks (empty for a complete rule)."""
+    """The members of ``Rule`` that the engine uses and ``rule`` lacks (empty for a complete
+    rule; ``tensor_scalars`` only where ``tensor_sums`` > 0, ``variants`` is the tools')."""
     members = set(Rule.__annotations__) | {
         name for name, value in vars(Rule).items()
-        if not name.startswith("_") and (callable(value) or isinstance(value, classmethod))}
+        if not name.startswith("_") and callable(value)}
+    if not getattr(rule, "tensor_sums", 0):
+        members.discard("tensor_scalars")
     return sorted(name for name in members if not hasattr(rule, name))
