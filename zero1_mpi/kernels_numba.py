@@ -5,7 +5,8 @@ multiply-add, no fast-math). Numba has no CPU float16 type, so 16-bit values tra
 ``uint16`` bit patterns (``widen``, ``narrow_bf16``, ``narrow_f16``, ``fp32_chunk``,
 ``round_params``). Numba is optional (``pip install zero1-mpi[fast]``) and imported only when a
 twin is first built: loops are marked ``@jit`` and ``compile_marked(globals())`` turns them into
-Numba dispatchers, so every module of kernels imports where Numba is missing.
+Numba dispatchers, so every module of kernels imports where Numba is missing. Numba's disk cache
+keys on each loop's own file: after editing a helper here, clear ``__pycache__/*.nb[ic]``.
 """
 
 from __future__ import annotations
