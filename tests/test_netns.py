@@ -74,8 +74,19 @@ def _env() -> dict[str, str]:
     return env
 
 
+# Runs the script with SIGINT and SIGQUIT at their defaults. A shell starts background jobs
+# (``pytest &`` in a CI script) with both ignored, and bash can neither trap nor reset a signal
+# ignored on entry, so the script's Ctrl-C teardown would never run. (SIGPIPE too: Python
+# ignores it, and an exec keeps what is ignored.)
+_DEFAULT_SIGNALS = ("import os, signal, sys\n"
+                    "for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGPIPE):\n"
+                    "    signal.signal(sig, signal.SIG_DFL)\n"
+                    "os.execvp(sys.argv[1], sys.argv[1:])")
+
+
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(SCRIPT), *args], cwd=ROOT, env=_env(), text=True,
+    command = [sys.executable, "-c", _DEFAULT_SIGNALS, "bash", str(SCRIPT), *args]
+    return subprocess.Popen(command, cwd=ROOT, env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
 
