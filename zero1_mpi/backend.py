@@ -13,8 +13,9 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["BFLOAT16", "PARAM_DTYPES", "HOST_ALIGN", "resolve_dtype", "is_device_array",
-           "backend_name", "xp_for", "synchronize", "zeros", "pinned_empty", "copy_to_host",
-           "copy_from_host", "to_numpy", "missing_header_error", "ExplainedKernel"]
+           "backend_name", "host_dtype", "xp_for", "use_device", "synchronize", "zeros",
+           "pinned_empty", "copy_to_host", "copy_from_host", "to_numpy", "like",
+           "missing_header_error", "ExplainedKernel"]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 PARAM_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
@@ -46,6 +47,11 @@ def backend_name(array) -> str | None:
     return None
 
 
+def host_dtype(array) -> np.dtype:
+    """The NumPy dtype of ``array``'s elements (a CuPy array's bfloat16 is ml_dtypes')."""
+    return PARAM_DTYPES.get(array.dtype.name, np.dtype(array.dtype))
+
+
 def xp_for(name: str):
     """The array module of backend ``name``."""
     if name == "numpy":
@@ -62,6 +68,17 @@ def _cupy():
         raise ImportError("the cupy backend needs CuPy: pip install 'zero1-mpi[cuda12]' "
                           "(or [cuda13])") from exc
     return cupy
+
+
+def use_device(local_rank: int) -> int:
+    """Make GPU ``local_rank % count`` the current CuPy device and return its index: ranks
+    share a node's GPUs round-robin by node-local rank (``Communicator.node_rank()``). Several
+    ranks per GPU work through MPI (staged or CUDA-aware); NCCL needs a GPU per rank."""
+    cupy = _cupy()
+    count = cupy.cuda.runtime.getDeviceCount()
+    index = local_rank % count
+    cupy.cuda.Device(index).use()
+    return index
 
 
 def synchronize(array) -> None:
@@ -110,6 +127,13 @@ def copy_from_host(host: np.ndarray, array) -> None:
 
 def to_numpy(array) -> np.ndarray:
     return array.get() if is_device_array(array) else np.asarray(array)
+
+
+def like(target, values):
+    """``values`` (NumPy or CuPy) on ``target``'s backend, for ``target[...] = ...``."""
+    if is_device_array(target):
+        return values if is_device_array(values) else _cupy().asarray(values)
+    return to_numpy(values)
 
 
 _MISSING_HEADER = re.compile(r'could not open source file "([\w.]+)"')

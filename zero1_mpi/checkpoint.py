@@ -215,7 +215,6 @@ def load(opt, path) -> Path:
 
     with comm.abort_on_error(f"while reading the checkpoint {ckpt}"):
         maps = {}
-        xp = backend.xp_for(opt.backend)
         for file, column, lo, hi, state in reads:
             if file not in maps:
                 maps[file] = np.load(ckpt / file, mmap_mode="r", allow_pickle=False)
@@ -223,7 +222,7 @@ def load(opt, path) -> Path:
                 stop = min(hi, start + CHUNK)
                 columns = slice(column + start - lo, column + stop - lo)
                 for row, view in enumerate(row_views(opt, start, stop, state + start - lo)):
-                    view[...] = xp.asarray(maps[file][row, columns])  # exact casts
+                    view[...] = backend.like(view, maps[file][row, columns])  # exact casts
         del maps
         opt.gather_params()
         opt.restore_counters(*counters)

@@ -25,6 +25,7 @@ from .buckets import BucketPipeline
 from .comm import CollectiveError, Communicator
 from .layout import DEFAULT_BUCKET_ELEMENTS, build_layout
 from .memory import MemoryReport
+from .offload import HostShard, ThreadedKernel, check_offload, each_tensor_sums, resolve_threads
 from .params import (check_arrays, check_max_grad_norm, check_reduce_dtype, group_options,
                      normalize_groups)
 from .reductions import reductions_for, resolve_cpu_kernel
@@ -73,15 +74,20 @@ class ShardedOptimizer:
             replicate it across the groups (None: all ranks, one group; ``"node"``: the ranks
             that share memory). The gradients are reduce-scattered within a group, the shard
             summed across the groups, and the parameters all-gathered within the group.
+        offload: ``"cpu"``: keep the fp32 master weights and the rule's state of this rank's
+            shard on the host and update them there with the CPU kernel (ZeRO-Offload), the
+            device holding the parameters, gradients and communication scratch; the copies
+            and the host kernel of neighbouring buckets overlap. None: all on the device.
+        offload_threads: the host kernel's threads (None: the cores this rank may use).
     """
 
     def __init__(self, params, comm, rule, defaults: dict, *, param_dtype=None,
                  loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
-                 shard_group_size=None):
+                 shard_group_size=None, offload=None, offload_threads=None):
         setup = _configure(params, comm, rule, defaults, param_dtype, loss_scale,
                            max_grad_norm, reduce_dtype, bucket_elements, cuda_aware,
-                           shard_group_size)
+                           shard_group_size, offload, offload_threads)
         self.comm, self.rule, self.layout, k = setup.comm, rule, setup.layout, setup.group_size
         #: Ranks per shard group (K), this rank's position in its group (which shard of each
         #: bucket it owns), and how many groups hold a replica of the state (N / K).
@@ -90,13 +96,15 @@ class ShardedOptimizer:
         self.param_dtype, self.backend, self.kernel = setup.dtype, setup.backend, setup.kernel
         self.reduce_dtype, self.max_grad_norm = setup.reduce_dtype, setup.max_grad_norm
         self.scaler, self.param_groups = setup.scaler, setup.groups
+        #: Where the master weights and the rule's state live ("cpu": the host), or None.
+        self.offload, self.offload_threads = setup.offload, setup.threads
         self.step_count = 0
         #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
         #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
         #: CuPy work is asynchronous: there the phases are the host's, not the device's.
         self.last_step_seconds = {}
         with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
-            self._allocate(setup.layout, setup.dtype, setup.backend)
+            self._allocate(setup.layout, setup.dtype, setup.backend, setup.threads)
             self._load_initial_values(setup.arrays)
 
     # -- public API --------------------------------------------------------------------------
@@ -207,14 +215,18 @@ class ShardedOptimizer:
                                          factor) for g in self.param_groups]
             if self.rule.tensor_sums:  # a two-phase rule: per-tensor sums first, then update
                 t0 = clock()
-                scalars = self._per_tensor_scalars(reduced, scalars)
+                scalars = self._per_tensor_scalars(self._shards(reduced), scalars)
                 update += clock() - t0
-            for bucket, grads in zip(self.layout.buckets, reduced):
-                t0 = clock()
+            t0 = clock()
+            for bucket, grads in self._shards(None if self.rule.tensor_sums else reduced):
                 self._update_shard(bucket, grads, scalars)
                 t1 = clock()
-                self.buckets.start_gather(bucket.index)
-                update, gather = update + t1 - t0, gather + clock() - t1
+                for index in self._published(bucket):
+                    self.buckets.start_gather(index)
+                t0, update, gather = clock(), update + t1 - t0, gather + clock() - t1
+            for index in self._published(None):
+                self.buckets.start_gather(index)
+            gather += clock() - t0
             self.zero_grad()
         if wait:
             t0 = clock()
@@ -235,7 +247,7 @@ class ShardedOptimizer:
         itself; the rule's state arrays; ``"param"``: the 16-bit parameters). Writing into them
         changes the optimizer; call ``gather_params()`` afterwards on all ranks."""
         s = slice(state, state + hi - lo)
-        views = {"master": self._master[s] if self._mixed else self._params[lo:hi],
+        views = {"master": self._params[lo:hi] if self._master is None else self._master[s],
                  **{name: state[s] for name, state in self._state.items()}}
         if self._mixed:
             views["param"] = self._params[lo:hi]
@@ -243,6 +255,8 @@ class ShardedOptimizer:
 
     def gather_params(self) -> None:
         """All-gather the parameters, blocking (after writing ``shard_state()``); all ranks."""
+        if self._offload is not None and not self._mixed:  # the masters are the parameters
+            self._offload.push_all()
         self.buckets.gather_all()
 
     def restore_counters(self, step: int, scaler: LossScaler, group_options: list) -> None:
@@ -278,36 +292,58 @@ class ShardedOptimizer:
         return export.load_consolidated(self, path)
 
     def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds, by category, measured from the arrays it allocated."""
+        """Bytes this rank holds, by category, measured from the arrays it allocated; with
+        ``offload``, split between the device and the host."""
         psi, owned = self.layout.numel, self.layout.owned_real(self.shard_rank)
-        arrays = [self._params, self._grads, self._master, *self._state.values()]
-        held = sum(a.nbytes for a in arrays if a is not None)
         state = {name: owned * FP32.itemsize for name in self._state}
         real = {"parameters": psi * self.param_dtype.itemsize,
                 "gradients": psi * self.param_dtype.itemsize,
-                "master_weights": owned * FP32.itemsize if self._mixed else 0}
+                "master_weights": 0 if self._master is None else owned * FP32.itemsize}
+        sharded = [self._master, *self._state.values()]
+        device = [self._params, self._grads] + ([] if self._offload else sharded)
+        padding = sum(a.nbytes for a in device if a is not None) - real["parameters"] \
+            - real["gradients"]
         scratch = self.buckets.scratch_bytes + self.comm.staging_bytes \
-            + self._kernel.scratch_bytes + self._reductions.scratch_bytes
-        return MemoryReport(**real, state=state,
-                            padding=held - sum(real.values()) - sum(state.values()),
-                            comm_scratch=scratch, psi=psi, group_size=self.shard_group_size,
-                            rank=self.shard_rank, param_dtype=self.param_dtype.name,
-                            rule=self.rule.name)
+            + self._reductions.scratch_bytes
+        host_padding = host_scratch = 0
+        sharded_real = real["master_weights"] + sum(state.values())
+        if self._offload is None:
+            padding -= sharded_real
+            scratch += self._kernel.scratch_bytes
+        else:
+            host_padding = sum(a.nbytes for a in sharded if a is not None) - sharded_real
+            host_scratch = self._offload.scratch_bytes + self._kernel.scratch_bytes + \
+                (0 if self._offload.params16 is None else self._offload.params16.nbytes)
+        return MemoryReport(**real, state=state, padding=padding, comm_scratch=scratch,
+                            psi=psi, group_size=self.shard_group_size, rank=self.shard_rank,
+                            param_dtype=self.param_dtype.name, rule=self.rule.name,
+                            offloaded=self._offload is not None, host_padding=host_padding,
+                            host_scratch=host_scratch)
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _allocate(self, layout, dtype, backend_name) -> None:
+    def _allocate(self, layout, dtype, backend_name, threads) -> None:
         xp = self._xp = backend.xp_for(backend_name)
         self._params = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
         self._grads = backend.zeros(xp, layout.total, dtype)
         self._mixed = dtype != FP32
-        self._master = xp.zeros(layout.shard_total, FP32) if self._mixed else None
-        self._state = {name: xp.zeros(layout.shard_total, FP32) for name in self.rule.state_names}
+        largest = max(b.shard_size for b in layout.buckets)
+        if self.offload:
+            self._offload = HostShard(layout, self.shard_rank, self._params,
+                                      self.rule.state_names, self._mixed, FP32.itemsize)
+            self._master, self._state = self._offload.master, self._offload.state
+            self._kernel = ThreadedKernel(lambda: self.rule.kernel(self.kernel, largest),
+                                          threads)
+        else:
+            self._offload = None
+            self._master = xp.zeros(layout.shard_total, FP32) if self._mixed else None
+            self._state = {name: xp.zeros(layout.shard_total, FP32)
+                           for name in self.rule.state_names}
+            self._kernel = self.rule.kernel(self.kernel, largest)
         self.params = _Views(self._views(self._params), before_read=self.wait)
         self.grads = _Views(self._views(self._grads))
-        largest = max(b.shard_size for b in layout.buckets)
-        self._kernel = self.rule.kernel(self.kernel, largest)
-        self._reductions = reductions_for(self.kernel, largest)
+        self._reductions = reductions_for("cupy" if backend_name == "cupy" else self.kernel,
+                                          largest)
         # Collectives within the group (reduce-scatter, all-gather) and across the groups (the
         # sum of a shard over its replicas): the whole communicator when there is one group.
         self.shard_comm = self.comm if self.replicas == 1 else self.comm.split(self._replica)
@@ -340,8 +376,10 @@ class ShardedOptimizer:
             self.comm.bcast(target)
             if self._mixed:
                 self._params[span] = target.astype(self.param_dtype)
+            if self._master is not None:
                 lo, hi = bucket.shard(self.shard_rank)
-                self._master[bucket.state] = target[lo - bucket.offset:hi - bucket.offset]
+                self._master[bucket.state] = backend.like(
+                    self._master, target[lo - bucket.offset:hi - bucket.offset])
 
     def _check_param_groups(self) -> tuple[str | None, int]:
         """``(problem, digest)``: a message if a group's options were set to invalid values
@@ -354,6 +392,23 @@ class ShardedOptimizer:
                 problem = problem or f"param_groups[{index}]: {exc}"
         text = repr([group_options(g, self.rule) for g in self.param_groups]).encode()
         return problem, int(hashlib.sha256(text).hexdigest()[:5], 16)
+
+    def _shards(self, reduced):
+        """``(bucket, its reduced gradient shard where the kernel reads it)`` in bucket order:
+        ``reduced`` itself, or offloaded, host copies fetched one bucket ahead; for None,
+        ``(bucket, None)`` (a two-phase rule's second phase reads no gradients)."""
+        if reduced is None:
+            return ((bucket, None) for bucket in self.layout.buckets)
+        if self._offload is None:
+            return zip(self.layout.buckets, reduced)
+        return self._offload.fetched(reduced)
+
+    def _published(self, bucket) -> list[int]:
+        """The buckets whose new shard is in the parameter buffer once ``bucket``'s update is
+        done (None: after the last), so that their all-gathers may start."""
+        if self._offload is None:
+            return [] if bucket is None else [bucket.index]
+        return self._offload.drain() if bucket is None else self._offload.push(bucket)
 
     def _update_shard(self, bucket, grads, scalars) -> None:
         """Update this rank's shard of ``bucket``: per param group, or per tensor piece."""
@@ -371,25 +426,32 @@ class ShardedOptimizer:
 
     def _shard_arrays(self, bucket, a: int, b: int) -> tuple:
         """``(master, states, param or None)`` over ``[a, b)`` of this rank's shard of
-        ``bucket``; for fp32 parameters the master is the parameter range itself."""
+        ``bucket``, where the kernel updates them; for fp32 parameters the master is the
+        parameter range itself (offloaded: the host master, which ``push`` sends)."""
         lo, _ = bucket.shard(self.shard_rank)
         st = slice(bucket.state.start + a, bucket.state.start + b)
         states = [state[st] for state in self._state.values()]
+        if self._offload is not None:
+            params16 = self._offload.params16
+            return self._master[st], states, None if params16 is None else params16[st]
         if self._mixed:
             return self._master[st], states, self._params[lo + a:lo + b]
         return self._params[lo + a:lo + b], states, None
 
-    def _per_tensor_scalars(self, reduced, scalars) -> dict:
+    def _per_tensor_scalars(self, shards, scalars) -> dict:
         """Phase one of a two-phase rule: the kernel's partial sums over each tensor piece
         this rank owns (updating the rule's state), added per tensor, summed over the group in
         one ``Allreduce``; returns the scalars (``rule.tensor_scalars``) of each tensor this
-        rank owns a piece of, by tensor index."""
-        sums = self._xp.zeros((len(self.layout.tensors), self.rule.tensor_sums), np.float64)
-        for bucket, grads, pieces in zip(self.layout.buckets, reduced, self._pieces):
-            for index, group, a, b in pieces:
+        rank owns a piece of, by tensor index. ``shards``: as ``_shards`` gives them."""
+        xp = np if self._offload is not None else self._xp
+        sums = xp.zeros((len(self.layout.tensors), self.rule.tensor_sums), np.float64)
+        for (bucket, grads), pieces in zip(shards, self._pieces):
+            calls = []
+            for _, group, a, b in pieces:
                 master, states, _ = self._shard_arrays(bucket, a, b)
-                sums[index] += self._kernel.tensor_sums(grads[a:b], master, *states,
-                                                        scalars[group])
+                calls.append((grads[a:b], master, *states, scalars[group]))
+            for (index, *_), partial in zip(pieces, each_tensor_sums(self._kernel, calls)):
+                sums[index] += partial
         totals = backend.to_numpy(sums)
         if self.shard_group_size > 1:  # the group's shards cover every tensor once
             totals = self.shard_comm.allreduce_sum(totals)
@@ -445,10 +507,13 @@ class _Setup:
     max_grad_norm: float | None
     scaler: LossScaler
     layout: object
+    offload: str | None
+    threads: int | None
 
 
 def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_norm,
-               reduce_dtype, bucket_elements, cuda_aware, shard_group_size) -> _Setup:
+               reduce_dtype, bucket_elements, cuda_aware, shard_group_size, offload,
+               offload_threads) -> _Setup:
     """Check every input, raise any error on every rank, and check that all ranks passed the
     same options and parameters (collectives: on all ranks, before any other)."""
     if isinstance(comm, Communicator):
@@ -458,9 +523,9 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
     else:
         comm = Communicator(comm, cuda_aware=cuda_aware)
     # "node" asks MPI (a collective): only once every rank is known to ask.
-    comm.check_same(repr(shard_group_size), "shard_group_size",
-                    "pass the same shard_group_size on every rank")
-    node = comm.node_ranks() if shard_group_size == "node" else None
+    comm.check_same({"shard_group_size": _plain(shard_group_size), "offload": _plain(offload)},
+                    "an option", "construct the optimizer with the same arguments on every rank")
+    node = comm.node_ranks() if shard_group_size == "node" or offload is not None else None
     error = None
     try:
         if missing_members(rule):
@@ -473,7 +538,9 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
         reduce_dtype = check_reduce_dtype(reduce_dtype, dtype)
         max_grad_norm = check_max_grad_norm(max_grad_norm)
         scaler = LossScaler.from_option(loss_scale)
-        kernel = "cupy" if backend_name == "cupy" else resolve_cpu_kernel()
+        offload = check_offload(offload, offload_threads)
+        threads = resolve_threads(offload_threads, len(node)) if offload else None
+        kernel = "cupy" if backend_name == "cupy" and not offload else resolve_cpu_kernel()
         layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()},
                               group_size, dtype.name, bucket_elements=bucket_elements,
                               param_group_tensors=[len(g["names"]) for g in groups])
@@ -484,11 +551,17 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
         {**settings, "backend": backend_name,
          "param group options": [group_options(g, rule) for g in groups],
          "reduce_dtype": reduce_dtype, "max_grad_norm": max_grad_norm, "loss_scale": scaler,
-         "bucket_elements": bucket_elements, "shard_group_size": group_size},
+         "bucket_elements": bucket_elements, "shard_group_size": group_size,
+         "offload": offload},
         "an option", "construct the optimizer with the same arguments on every rank")
     _check_layouts_agree(comm, layout)
     return _Setup(comm, group_size, groups, arrays, dtype, backend_name, kernel, reduce_dtype,
-                  max_grad_norm, scaler, layout)
+                  max_grad_norm, scaler, layout, offload, threads)
+
+
+def _plain(value):
+    """``value`` if it pickles the same everywhere (None, str, int), else its repr."""
+    return value if value is None or isinstance(value, (str, int)) else repr(value)
 
 
 def resolve_shard_group_size(value, size: int, node_ranks, comm) -> int:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import to_numpy
 from . import backend
+from .backend import to_numpy
 from .checkpoint import CHUNK, CheckpointError, check_rule, read_counters
 from .params import group_record
 
@@ -97,7 +97,6 @@ def load_consolidated(opt, path) -> Path:
     comm.agree(error)
 
     with comm.abort_on_error(f"while reading {file}"), open(file, "rb") as f:
-        xp = backend.xp_for(opt.backend)
         buffer = np.empty(CHUNK, np.float32)
         for lo, hi, state in opt.layout.owned(opt.shard_rank):
             for tensor, a, b in opt.layout.pieces(lo, hi):
@@ -110,9 +109,10 @@ def load_consolidated(opt, path) -> Path:
                         chunk = buffer[:stop - start]
                         if f.readinto(chunk.view(np.uint8)) != chunk.nbytes:
                             raise CheckpointError(f"{file} ended early")
-                        views[kind][...] = xp.asarray(chunk)
+                        views[kind][...] = backend.like(views[kind], chunk)
                     if "param" in views:  # the 16-bit parameters are the rounded masters
-                        views["param"][...] = views["master"].astype(opt.param_dtype)
+                        views["param"][...] = backend.like(
+                            views["param"], views["master"]).astype(opt.param_dtype)
         opt.gather_params()
         opt.restore_counters(*counters)
     return file

@@ -180,7 +180,8 @@ def format_table(params, gpu_counts, k=12, label: str | None = None,
     return "\n".join(lines)
 
 
-_BYTE_FIELDS = ("parameters", "gradients", "master_weights", "padding", "comm_scratch")
+_BYTE_FIELDS = ("parameters", "gradients", "master_weights", "padding", "comm_scratch",
+                "host_padding", "host_scratch")
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,9 @@ class MemoryReport:
     and summed over ranks ``total - formula_bytes`` equals ``padding + comm_scratch`` exactly.
     ``group_size``: the ranks the state is sharded over (K; all N ranks without hierarchical
     sharding), and ``rank`` this rank's place among them. ``rule``: the update rule's name,
-    for display.
+    for display. ``offloaded``: the master weights and state are on the host (``offload``;
+    then fp32 params have a master too), with their padding in ``host_padding`` and the host's
+    copy buffers in ``host_scratch``; ``device_bytes`` and ``host_bytes`` split ``total``.
     """
 
     parameters: int
@@ -210,6 +213,9 @@ class MemoryReport:
     rank: int
     param_dtype: str
     rule: str | None = None
+    offloaded: bool = False
+    host_padding: int = 0
+    host_scratch: int = 0
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
@@ -230,6 +236,8 @@ class MemoryReport:
         if not isinstance(self.param_dtype, str):
             raise ValueError(f"MemoryReport.param_dtype={self.param_dtype!r} must be a dtype "
                              f"name such as 'float16'; pass numpy.dtype(d).name")
+        if not isinstance(self.offloaded, bool):
+            raise ValueError(f"MemoryReport.offloaded={self.offloaded!r} must be True or False")
         if self.rule is not None and not isinstance(self.rule, str):
             raise ValueError(f"MemoryReport.rule={self.rule!r} must be a rule name such as "
                              f"'adam', or None")
@@ -237,7 +245,7 @@ class MemoryReport:
     def __hash__(self):
         return hash((*(getattr(self, name) for name in _BYTE_FIELDS),
                      frozenset(self.state.items()), self.psi, self.group_size, self.rank,
-                     self.param_dtype, self.rule))
+                     self.param_dtype, self.rule, self.offloaded))
 
     @property
     def total(self) -> int:
@@ -260,8 +268,34 @@ class MemoryReport:
 
     @property
     def bytes_per_param(self) -> int:
-        """K: the sharded part's bytes per parameter, from the state arrays and the dtype."""
-        return bytes_per_param(self.state, self.param_dtype)
+        """K: the sharded part's bytes per parameter, from the state arrays and the dtype (and
+        offloaded fp32 params' host master)."""
+        own_master = 4 if self.offloaded and self.param_dtype in FP32_DTYPES else 0
+        return bytes_per_param(self.state, self.param_dtype) + own_master
+
+    @property
+    def host_bytes(self) -> int:
+        """What the host holds for the shard: offloaded, the master weights, the state, their
+        padding and the copy buffers; else 0."""
+        sharded = self.optimizer_state if self.offloaded else 0
+        return sharded + self.host_padding + self.host_scratch
+
+    @property
+    def device_bytes(self) -> int:
+        """What the parameters' device holds (the host for NumPy parameters): the rest."""
+        return self.total - self.host_bytes
+
+    @property
+    def device_formula_bytes(self) -> float:
+        """The formula for ``device_bytes``: 2Ψ+2Ψ (4Ψ+4Ψ for fp32) offloaded, else all."""
+        if not self.offloaded:
+            return self.formula_bytes
+        return float(self.psi * (4 + 4 if self.param_dtype in FP32_DTYPES else 2 + 2))
+
+    @property
+    def host_formula_bytes(self) -> float:
+        """The formula for ``host_bytes``: KΨ/N offloaded (Adam: 12Ψ/N), else 0."""
+        return self.formula_bytes - self.device_formula_bytes
 
     @property
     def formula_bytes(self) -> float:
@@ -276,6 +310,8 @@ class MemoryReport:
     def formula_label(self) -> str:
         """``2Ψ+2Ψ+12Ψ/N``, ``4Ψ+4Ψ+8Ψ/N``, ...: the formula this report is held to."""
         replicated = "4Ψ+4Ψ" if self.param_dtype in FP32_DTYPES else "2Ψ+2Ψ"
+        if self.offloaded:
+            return f"device {replicated}, host {self.bytes_per_param}Ψ/N"
         return f"{replicated}+{self.bytes_per_param}Ψ/N"
 
     @property
@@ -296,13 +332,21 @@ class MemoryReport:
                  f"  {'category':<16}{'bytes':>14}{'MiB':>11}"]
         rows = [(name, getattr(self, name)) for name in _BYTE_FIELDS[:3]]
         rows += list(self.state.items())
-        rows += [(name, getattr(self, name)) for name in _BYTE_FIELDS[3:] + ("total",)]
+        rows += [(name, getattr(self, name))
+                 for name in _BYTE_FIELDS[3:5 + 2 * self.offloaded] + ("total",)]
+        if self.offloaded:
+            rows += [("device", self.device_bytes), ("host", self.host_bytes)]
         for name, value in rows:
             lines.append(f"  {name:<16}{value:>14}{value / mib:>11.2f}")
         if self.param_dtype in MIXED_DTYPES + FP32_DTYPES:
             formula = self.formula_bytes
             lines.append(f"  {'formula':<16}{formula:>14.0f}{formula / mib:>11.2f}"
                          f"  ({self.formula_label})")
+            if self.offloaded:
+                for side in ("device", "host"):
+                    value = getattr(self, f"{side}_formula_bytes")
+                    lines.append(f"  {side + ' formula':<16}{value:>14.0f}"
+                                 f"{value / mib:>11.2f}")
             diff = self.total - formula
             lines.append(f"  {'difference':<16}{diff:>14.0f}{diff / mib:>11.2f}"
                          f"  (total - formula: padding + scratch)")

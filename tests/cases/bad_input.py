@@ -93,6 +93,14 @@ CASES = [
      ValueError, ["float32"]),
     ("comm is an MPI.Group", lambda: ZeroAdam(good(), comm=MPI.COMM_WORLD.group),
      TypeError, ["intracommunicator"]),
+    ("unknown offload", lambda: ZeroAdam(good(), offload="gpu"), ValueError,
+     ["offload='gpu'", "'cpu'"]),
+    ("offload on the last rank only", lambda: ZeroAdam(good(), offload=on_last("cpu", None)),
+     CollectiveError if size > 1 else None, ["offload (None on rank 0, 'cpu' on rank", "same"]),
+    ("offload_threads of 0", lambda: ZeroAdam(good(), offload="cpu", offload_threads=0),
+     ValueError, ["offload_threads=0", ">= 1"]),
+    ("offload_threads without offload", lambda: ZeroAdam(good(), offload_threads=2), ValueError,
+     ["offload_threads=2", "offload='cpu'"]),
 ]
 
 

@@ -1,0 +1,162 @@
+"""offload='cpu': the master weights and the rule's state on the host (``zero1_mpi.offload``).
+
+On 1-4 ranks and with hierarchical sharding the offloaded optimizer equals the one without,
+bit for bit, for every rule and dtype, and checkpoints and exports load across the two
+(tests/cases/offload.py); bad offload options fail on every rank (tests/cases/bad_input.py).
+Here too: the threaded host kernel has the one-thread kernel's bits, the copies go one bucket
+ahead, the memory report's split is what tracemalloc measures, and the defaults of threads.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from mpirun import run_mpi
+from test_registry import VARIANTS, run_twin
+from zero1_mpi import ZeroAdam
+from zero1_mpi.backend import PARAM_DTYPES
+from zero1_mpi.layout import build_layout
+from zero1_mpi.offload import HostShard, ThreadedKernel, each_tensor_sums, resolve_threads
+from zero1_mpi.rules.registry import builtin_rules
+
+
+@pytest.mark.parametrize("n, group, kernel", [(1, None, "numpy"), (2, None, "numpy"),
+                                              (3, None, "numpy"), (4, None, "numpy"),
+                                              (4, 2, "numpy"), (2, None, "auto")])
+def test_offloaded_equals_not_offloaded(tmp_path, n, group, kernel):
+    args = [str(tmp_path), "numpy"] + ([] if group is None else [str(group)])
+    out = run_mpi(n, "offload.py", *args, timeout=300, env={"ZERO1_MPI_KERNEL": kernel}).stdout
+    assert f"OK offload: 18 cases x 5 steps on {n} ranks, shard groups of {group or n}" in out
+
+
+@pytest.mark.parametrize("kind", ["numpy", "numba"])
+@pytest.mark.parametrize("param_dtype", list(PARAM_DTYPES))
+@pytest.mark.parametrize("name, index", VARIANTS)
+def test_threaded_kernel_is_bitwise_one_thread(name, index, param_dtype, kind):
+    if kind == "numba":
+        pytest.importorskip("numba")
+    entry = builtin_rules()[name]
+    rule = entry.variants[index]
+    options = rule.check_options(**entry.defaults)
+    n = 3 * ThreadedKernel.MIN_ELEMENTS + 1001  # three threads, uneven ranges
+    dtype = PARAM_DTYPES[param_dtype]
+    one = run_twin(rule.kernel(kind, n), rule, options, dtype, dtype, n)
+    threaded = ThreadedKernel(lambda: rule.kernel(kind, n), 4)
+    many = run_twin(threaded, rule, options, dtype, dtype, n)
+    assert threaded.scratch_bytes == 4 * rule.kernel(kind, n).scratch_bytes
+    for ours, theirs in zip(one, many, strict=True):
+        assert np.array_equal(ours.view(np.uint8), theirs.view(np.uint8))
+
+
+def test_tensor_sums_each_keeps_each_pieces_bits():
+    """A two-phase rule's sums run whole pieces on the threads, in the pieces' order."""
+    rule = builtin_rules()["lamb"].variants[0]
+    options = rule.check_options(**builtin_rules()["lamb"].defaults)
+    s = rule.scalars(1, options, 0.5)
+    rng = np.random.default_rng(3)
+    sizes = [5, 70_001, 1, 20_000, 333]
+
+    def calls():
+        return [(rng.standard_normal(k).astype(np.float32), np.ones(k, np.float32),
+                 *(np.zeros(k, np.float32) for _ in rule.state_names), s) for k in sizes]
+    rng = np.random.default_rng(3)
+    one = [rule.kernel("numpy", 70_001).tensor_sums(*c) for c in calls()]
+    rng = np.random.default_rng(3)
+    many = each_tensor_sums(ThreadedKernel(lambda: rule.kernel("numpy", 70_001), 3), calls())
+    assert [list(a) for a in one] == [list(b) for b in many]
+
+
+def test_threaded_kernel_raises_a_threads_error():
+    class Broken:
+        scratch_bytes = 0
+
+        def __call__(self, grad, master, param, s):
+            if master.size < 2 * ThreadedKernel.MIN_ELEMENTS:
+                raise FloatingPointError(f"range of {master.size}")
+
+    kernel = ThreadedKernel(Broken, 2)
+    n = 2 * ThreadedKernel.MIN_ELEMENTS
+    with pytest.raises(FloatingPointError, match="range of"):
+        kernel(np.zeros(n, np.float32), np.zeros(n, np.float32), None, None)
+
+
+def test_host_shard_copies_one_bucket_ahead_and_pushes_behind():
+    layout = build_layout({"w": (40,), "b": (24,)}, 2, "bfloat16", bucket_elements=16)
+    params = np.zeros(layout.total, PARAM_DTYPES["bfloat16"])
+    shard = HostShard(layout, 1, params, ("exp_avg",), mixed=True, grad_itemsize=4)
+    reduced = [np.arange(b.shard_size, dtype=np.float32) + 100 * b.index
+               for b in layout.buckets]
+    seen = []
+    for bucket, grads in shard.fetched(reduced):
+        assert not np.shares_memory(grads, reduced[bucket.index])
+        assert np.array_equal(grads, reduced[bucket.index])
+        shard.params16[bucket.state] = bucket.index + 1
+        seen.append(shard.push(bucket))
+    assert seen == [[]] + [[i] for i in range(len(layout.buckets) - 1)]
+    assert shard.drain() == [len(layout.buckets) - 1]
+    for bucket in layout.buckets:
+        lo, hi = bucket.shard(1)
+        assert np.all(params[lo:hi] == bucket.index + 1)
+        rest = np.delete(params[bucket.offset:bucket.offset + bucket.size],
+                         np.arange(lo - bucket.offset, hi - bucket.offset))
+        assert not rest.any()  # only this rank's shard is written; the gather does the rest
+
+
+def test_memory_report_is_what_tracemalloc_measures():
+    """NumPy parameters: the host and the device are one; everything built is reported."""
+    psi = 1_000_000
+    params = {"w": np.ones((1000, 1000), np.float32)}
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        opt = ZeroAdam(params, param_dtype="bfloat16", offload="cpu", offload_threads=2)
+        measured = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    report = opt.memory_report()
+    assert report.offloaded and report.psi == psi
+    assert report.device_formula_bytes == 4 * psi and report.host_formula_bytes == 12 * psi
+    assert report.device_bytes - report.padding - report.comm_scratch == 4 * psi
+    assert report.host_bytes - report.host_padding - report.host_scratch == 12 * psi
+    assert report.total <= measured < report.total + 256 * 1024, (measured, report.total)
+    assert "device formula" in str(report) and "host 12Ψ/N" in str(report)
+
+
+def test_threads_default_to_the_cores_the_rank_may_use(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert resolve_threads(None, 4) == 4  # not bound: the node's cores shared
+    assert resolve_threads(None, 32) == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {2, 3, 4}, raising=False)
+    assert resolve_threads(None, 4) == 3  # bound by the launcher: its cores
+    assert resolve_threads(5, 4) == 5
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="offload_threads="):
+            resolve_threads(bad, 1)
+
+
+@pytest.mark.parametrize("rule", ["adam", "sgd"])
+def test_offload_bench_tool_reports_both_settings(tmp_path, rule):
+    """tools/offload_bench.py on NumPy parameters (the device script runs it on a GPU): the
+    device holds 16-bit params and grads only when offloaded, the host the rest."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "bench.json"
+    tool = Path(__file__).resolve().parents[1] / "tools" / "offload_bench.py"
+    result = subprocess.run([sys.executable, str(tool), "--backend", "numpy", "--params", "1M",
+                             "--steps", "1", "--rule", rule, "--json", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    plain, offloaded = json.loads(out.read_text())["rows"]
+    k = {"adam": 12, "sgd": 4}[rule]  # SGD by default has no momentum: the master only
+    assert plain["device_formula_per_param"] == 4 + k and plain["host_formula_per_param"] == 0
+    assert offloaded["device_formula_per_param"] == 4
+    assert offloaded["host_formula_per_param"] == k
+    assert 4 <= offloaded["device_report_per_param"] < 4.5  # + padding and scratch
+    assert offloaded["host_report_per_param"] >= k
+    assert "offloaded step / device step" in result.stdout

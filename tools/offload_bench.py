@@ -1,0 +1,110 @@
+"""Step time and bytes per parameter with and without ``offload="cpu"``, one rank:
+
+    python tools/offload_bench.py [--params 1B] [--backend cupy|numpy] [--rule adam]
+                                  [--steps 3] [--json FILE]
+
+A flat bf16 model of ``--params`` parameters (a few large tensors), AdamW by default. For each
+setting: the median step time (the gradients written before each step, the device synchronized
+after it), the bytes the device holds per parameter as measured (CuPy's memory pool; for NumPy
+parameters the arrays' own bytes) against the report's ``device_bytes``, and the host bytes per
+parameter (the report, and what ``tracemalloc`` saw while building; page-locked buffers come
+from CuPy's pinned pool, which it does not see). Run both settings in one run to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+try:
+    import zero1_mpi  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+from mpi4py import MPI
+
+from zero1_mpi.backend import xp_for
+from zero1_mpi.memory import parse_param_count
+from zero1_mpi.rules.registry import get
+
+
+def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
+    """One optimizer of ``psi`` bf16 parameters: its step time and bytes."""
+    parts = 4
+    sizes = [psi // parts + (i < psi % parts) for i in range(parts)]
+    params = {f"w{i}": xp.full(n, 0.01, np.float32) for i, n in enumerate(sizes)}
+    device = xp is not np
+    pool = xp.get_default_memory_pool() if device else None
+    if device:
+        xp.cuda.Device().synchronize()
+    before = pool.used_bytes() if device else 0
+    tracemalloc.start()
+    try:
+        host_before = tracemalloc.get_traced_memory()[0]
+        opt = get(rule).optimizer(params, MPI.COMM_SELF, param_dtype="bfloat16",
+                                  offload=offload)
+        traced = tracemalloc.get_traced_memory()[0] - host_before
+    finally:
+        tracemalloc.stop()
+    del params
+    times = []
+    for _ in range(steps + 1):
+        for name in opt.grads:
+            opt.grads[name][...] = 1e-3
+        if device:
+            xp.cuda.Device().synchronize()
+        start = time.perf_counter()
+        opt.step()
+        if device:
+            xp.cuda.Device().synchronize()
+        times.append(time.perf_counter() - start)
+    report = opt.memory_report()
+    held = (pool.used_bytes() - before) if device else report.device_bytes
+    row = {"offload": offload, "psi": psi, "rule": rule, "kernel": opt.kernel,
+           "threads": opt.offload_threads, "step_ms": 1e3 * float(np.median(times[1:])),
+           "device_measured_per_param": held / psi,
+           "device_report_per_param": report.device_bytes / psi,
+           "device_formula_per_param": report.device_formula_bytes / psi,
+           "host_report_per_param": report.host_bytes / psi,
+           "host_formula_per_param": report.host_formula_bytes / psi,
+           "host_traced_per_param": traced / psi if device else None}
+    del opt
+    if device:
+        pool.free_all_blocks()
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default="1B")
+    parser.add_argument("--backend", default="cupy", choices=["cupy", "numpy"])
+    parser.add_argument("--rule", default="adam")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    xp = xp_for(args.backend)
+    psi = int(parse_param_count(args.params))
+    rows = [measure(xp, psi, args.rule, offload, args.steps) for offload in (None, "cpu")]
+    print(f"{args.rule}, {psi:,} bf16 parameters, 1 rank, {args.backend}")
+    print(f"{'offload':8s} {'step ms':>9s} {'device B/param':>15s} {'(report, formula)':>18s} "
+          f"{'host B/param':>13s} {'(formula)':>10s}  host kernel")
+    for row in rows:
+        print(f"{str(row['offload']):8s} {row['step_ms']:9.1f} "
+              f"{row['device_measured_per_param']:15.2f} "
+              f"{row['device_report_per_param']:8.2f},{row['device_formula_per_param']:6.1f}   "
+              f"{row['host_report_per_param']:13.2f} {row['host_formula_per_param']:10.1f}  "
+              f"{row['kernel']} x {row['threads'] or 1}")
+    ratio = rows[1]["step_ms"] / rows[0]["step_ms"]
+    print(f"offloaded step / device step: {ratio:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "offload_over_device": ratio}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
