@@ -83,9 +83,12 @@ if ntasks and ntasks.isdigit() and int(ntasks) != size:
 
 if args.backend == "cupy":
     import cupy as xp
-    # One GPU per rank, by node-local rank, before anything touches a device.
+
+    from zero1_mpi.backend import use_device
+    # A GPU per rank by node-local rank (round-robin where ranks outnumber GPUs), before
+    # anything touches a device.
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    xp.cuda.Device(node.Get_rank() % xp.cuda.runtime.getDeviceCount()).use()
+    use_device(node.Get_rank())
     node.Free()
 else:
     xp = np

@@ -5,8 +5,12 @@ import pytest
 from mpi4py import MPI
 
 from mpirun import run_mpi
-from zero1_mpi.comm import (CUDA_AWARE_ENV, DEVICE_STARTED_ENV, Communicator, query_cuda_support,
-                            resolve_cuda_aware, resolve_device_started)
+from zero1_mpi import comm as comm_module
+from zero1_mpi.comm import (CUDA_AWARE_ENV, DEVICE_STARTED_ENV, Communicator, mpi_library,
+                            query_cuda_support, resolve_cuda_aware, resolve_device_started)
+
+MPICH = ("MPICH", (5, 0, 2))
+INTEL = ("Intel MPI", (2021, 18))
 
 
 def never_asked():
@@ -26,9 +30,30 @@ def test_environment_wins_over_query(value, expected):
 
 
 def test_query_then_default():
-    assert resolve_cuda_aware(None, {}, lambda: True) == (True, "MPIX_Query_cuda_support")
-    assert resolve_cuda_aware(None, {}, lambda: False) == (False, "MPIX_Query_cuda_support")
-    assert resolve_cuda_aware(None, {CUDA_AWARE_ENV: ""}, lambda: None)[0] is False
+    assert resolve_cuda_aware(None, {}, lambda: True, MPICH) == (True, "MPIX_Query_cuda_support")
+    assert resolve_cuda_aware(None, {}, lambda: False, MPICH) == (False,
+                                                                 "MPIX_Query_cuda_support")
+    assert resolve_cuda_aware(None, {CUDA_AWARE_ENV: ""}, lambda: None, MPICH)[0] is False
+
+
+@pytest.mark.parametrize("environ, aware, words", [
+    ({"I_MPI_OFFLOAD": "1", "I_MPI_OFFLOAD_MODE": "cuda"}, True,
+     "Intel MPI 2021.18 with I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda"),
+    ({"I_MPI_OFFLOAD": "1"}, True, "I_MPI_OFFLOAD_MODE=auto"),
+    ({"I_MPI_OFFLOAD": "2", "I_MPI_OFFLOAD_MODE": "CUDA"}, True, "I_MPI_OFFLOAD=2"),
+    ({"I_MPI_OFFLOAD": "1", "I_MPI_OFFLOAD_MODE": "level_zero"}, False, "level_zero, not cuda"),
+    ({"I_MPI_OFFLOAD": "0"}, False, "without I_MPI_OFFLOAD=1"),
+    ({}, False, "set I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda"),
+])
+def test_intel_mpi_takes_device_buffers_where_i_mpi_offload_says(environ, aware, words):
+    """Intel MPI's own switch decides (it has no MPIX_Query_cuda_support to ask); an explicit
+    setting or ZERO1_MPI_CUDA_AWARE still wins, and other libraries ignore I_MPI_OFFLOAD."""
+    decided, source = resolve_cuda_aware(None, environ, never_asked, INTEL)
+    assert decided is aware and words in source
+    assert resolve_cuda_aware(None, {**environ, CUDA_AWARE_ENV: "0"}, never_asked,
+                              INTEL)[0] is False
+    assert resolve_cuda_aware(None, environ, lambda: False, MPICH) == (
+        False, "MPIX_Query_cuda_support")
 
 
 def test_bad_settings_name_the_value():
@@ -42,6 +67,9 @@ def test_communicator_follows_the_query_when_nothing_is_set(monkeypatch):
     monkeypatch.delenv(CUDA_AWARE_ENV, raising=False)
     comm = Communicator(MPI.COMM_SELF)
     answer = query_cuda_support()
+    if mpi_library()[0] == "Intel MPI":  # I_MPI_OFFLOAD decides there
+        assert comm.cuda_aware_source.startswith("Intel MPI 20")
+        return
     assert comm.cuda_aware is bool(answer)
     assert comm.cuda_aware_source == ("MPIX_Query_cuda_support" if answer is not None
                                       else "default (no query available)")
@@ -72,15 +100,37 @@ def test_nccl_communicator_needs_cupy_and_says_so():
         NcclCommunicator(MPI.COMM_SELF)
 
 
-def test_started_collectives_take_device_buffers_only_when_told():
-    assert resolve_device_started(None, {}) == (
-        False, "default (device buffers documented for blocking collectives only)")
+def test_started_collectives_take_device_buffers_only_when_told_or_proven(monkeypatch):
+    assert resolve_device_started(None, {}, INTEL) == (
+        False, "Intel MPI 2021.18 (not proven on device buffers: blocking collectives)")
+    monkeypatch.setattr(comm_module, "DEVICE_STARTED_PROVEN", (("Intel MPI", (2021, 18)),))
+    assert resolve_device_started(None, {}, INTEL) == (
+        True, "Intel MPI 2021.18 (proven by tools/mpi_probe.py --device)")
+    assert resolve_device_started(None, {}, ("Intel MPI", (2021, 17)))[0] is False
+    assert resolve_device_started(None, {DEVICE_STARTED_ENV: "0"}, INTEL)[0] is False
     assert resolve_device_started(None, {DEVICE_STARTED_ENV: "1"})[0] is True
     assert resolve_device_started(True, {DEVICE_STARTED_ENV: "0"}) == (True, "argument")
     with pytest.raises(ValueError, match=f"{DEVICE_STARTED_ENV}='sometimes'"):
         resolve_device_started(None, {DEVICE_STARTED_ENV: "sometimes"})
     comm = Communicator(MPI.COMM_SELF, device_started=True)
     assert comm.device_started and comm.device_started_source == "argument"
+
+
+def test_two_ranks_on_one_gpu_is_named_before_nccl_starts():
+    """NcclCommunicator raises this on every rank (each computes it from the same list)."""
+    from zero1_mpi.nccl import shared_gpu_error
+    assert shared_gpu_error([("a", "0000:01:00.0"), ("a", "0000:02:00.0"),
+                             ("b", "0000:01:00.0")]) is None
+    error = shared_gpu_error([("a", "0000:01:00.0"), ("a", "0000:02:00.0"),
+                              ("a", "0000:01:00.0")])
+    assert isinstance(error, RuntimeError)
+    for words in ("ranks 0 and 2", "GPU 0000:01:00.0 on a", "Duplicate GPU detected",
+                  "zero1_mpi.Communicator"):
+        assert words in str(error)
+
+
+def test_node_rank_is_the_place_among_the_nodes_ranks():
+    assert Communicator(MPI.COMM_SELF).node_rank() == 0
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -96,3 +146,11 @@ def test_collective_call_on_one_rank_returns_or_raises_naming_it():
     assert comm.collective_call(lambda: 5, "the call") == 5
     with pytest.raises(ZeroDivisionError, match=r"the call failed on rank 0 \(this rank\)"):
         comm.collective_call(lambda: 1 / 0, "the call")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_staged_and_direct_paths_train_alike(n):
+    """Every rule: the staged path and the direct one give the same parameters (bitwise for
+    bf16); on a GPU the same case compares device buffers handed to MPI (tools/gpu_check.sh)."""
+    out = run_mpi(n, "transport.py", "numpy", "--elements", "200K", timeout=240).stdout
+    assert f"OK transport: 4 rules x fp32, bf16 on {n} ranks (numpy; direct path: host" in out

@@ -1,11 +1,14 @@
 """GPU checks: each rule's CuPy kernel against its NumPy twin, CuPy buffers through the
-communicator, and the multi-rank parity cases (Adam's, and the other rules') on CuPy arrays.
+communicator, the multi-rank parity cases (Adam's, and the other rules') on CuPy arrays, state
+offload on CuPy arrays (parity and the device/host split of the memory), and NCCL refusing two
+ranks on one GPU with a clear error.
 
 Skipped where CuPy or a GPU is missing, unless ZERO1_REQUIRE_GPU=1 (``tools/gpu_check.sh``
 sets it), which turns a skip into a failure.
 """
 
 import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -200,3 +203,45 @@ def test_rule_parity_on_cupy_arrays(tmp_path, rule):
     the parameters on the GPU, on 2 ranks sharing the devices."""
     out = run_mpi(2, "parity_rules.py", rule, str(tmp_path), "cupy", timeout=300).stdout
     assert f"OK {rule} parity:" in out and "(cupy, kernel cupy)" in out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_offload_parity_on_cupy_arrays(tmp_path, n):
+    """offload='cpu' against the optimizer without it on CuPy parameters: every rule and
+    dtype, checkpoints and exports across the two (2 ranks share the devices)."""
+    out = run_mpi(n, "offload.py", str(tmp_path), "cupy", timeout=300,
+                  env={"ZERO1_MPI_KERNEL": "auto"}).stdout
+    assert f"OK offload: 18 cases x 5 steps on {n} ranks" in out and "(cupy," in out
+
+
+def test_offloaded_memory_is_split_between_device_and_host():
+    """CuPy's pool sees the report's device bytes (2 + 2 bytes per bf16 parameter, and the
+    scratch); tracemalloc sees its host bytes (12 per parameter for Adam, and the slots)."""
+    psi = 4_000_000
+    params = {"w": cupy.ones(psi, np.float32)}
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    tracemalloc.start()
+    try:
+        host_before = tracemalloc.get_traced_memory()[0]
+        opt = ZeroAdamW(params, MPI.COMM_SELF, param_dtype="bfloat16", offload="cpu")
+        opt.grads["w"][...] = 1e-3
+        opt.step()
+        cupy.cuda.Device().synchronize()
+        host = tracemalloc.get_traced_memory()[0] - host_before
+    finally:
+        tracemalloc.stop()
+    device = pool.used_bytes() - before
+    report = opt.memory_report()
+    assert report.device_formula_bytes == 4 * psi and report.host_formula_bytes == 12 * psi
+    assert abs(device - report.device_bytes) <= 64 * 1024, (device, report.device_bytes)
+    # Page-locked buffers come from CuPy's pinned pool, which tracemalloc does not see.
+    pinned = report.host_scratch - opt._kernel.scratch_bytes
+    assert abs(host + pinned - report.host_bytes) <= 256 * 1024, (host, pinned, report)
+
+
+def test_nccl_refuses_two_ranks_on_one_gpu_on_every_rank():
+    pytest.importorskip("cupy.cuda.nccl")
+    out = run_mpi(2, "nccl_shared_gpu.py", timeout=120).stdout
+    assert "OK nccl shared gpu: 2 ranks refused" in out

@@ -74,6 +74,16 @@ def test_started_collectives_compute_the_right_thing(n):
         assert result.stdout.startswith(mpi_flavor()), result.stdout
 
 
+def test_device_probe_says_when_mpi_takes_no_device_buffers():
+    """On a CPU machine (or an MPI that is not CUDA-aware) ``--device`` says why it cannot
+    probe, and exits non-zero instead of passing what it never ran."""
+    result = run_mpi(2, "tools/mpi_probe.py", "--device", timeout=120, check=False,
+                     env={"ZERO1_MPI_CUDA_AWARE": "0"})
+    assert result.returncode != 0
+    assert "MPI is not CUDA-aware here (ZERO1_MPI_CUDA_AWARE=0): nothing to probe" \
+        in result.stdout, result
+
+
 @pytest.fixture
 def network():
     """Skip where the launcher's MPI is not one whose shared memory launch_command can turn off

@@ -31,7 +31,8 @@ from . import backend
 
 __all__ = ["Communicator", "Request", "CollectiveError", "DONE", "query_cuda_support",
            "resolve_cuda_aware", "resolve_persistent", "resolve_device_started", "mpi_library",
-           "CUDA_AWARE_ENV", "PERSISTENT_ENV", "DEVICE_STARTED_ENV", "PERSISTENT_PROVEN"]
+           "intel_gpu_buffers", "CUDA_AWARE_ENV", "PERSISTENT_ENV", "DEVICE_STARTED_ENV",
+           "PERSISTENT_PROVEN", "DEVICE_STARTED_PROVEN"]
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
 PERSISTENT_ENV = "ZERO1_MPI_PERSISTENT"
@@ -39,6 +40,9 @@ DEVICE_STARTED_ENV = "ZERO1_MPI_DEVICE_STARTED"
 #: (library, lowest version) whose persistent collectives tools/mpi_probe.py found right
 #: against blocking ones, with several requests in flight, on 2 and 4 ranks, in CI.
 PERSISTENT_PROVEN = (("MPICH", (5, 0)), ("Open MPI", (5, 0)))
+#: (library, lowest version) whose started collectives tools/mpi_probe.py --device found right
+#: on device buffers (CUDA-aware), on a GPU: none yet, so device buffers go blocking.
+DEVICE_STARTED_PROVEN: tuple = ()
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -87,13 +91,33 @@ def _setting(explicit, argument: str, variable: str, environ, yes: str, no: str)
     return None
 
 
-def resolve_cuda_aware(explicit: bool | None = None, environ=None,
-                       query=query_cuda_support) -> tuple[bool, str]:
-    """``(cuda_aware, how it was decided)``: explicit setting, environment, query, default."""
+def intel_gpu_buffers(environ, version: tuple[int, ...]) -> tuple[bool, str]:
+    """``(cuda_aware, why)`` for Intel MPI ``version``: its NVIDIA GPU buffer support is on
+    where ``I_MPI_OFFLOAD`` enables it (1; 2 before 2021.14 loaded the GPU library itself)
+    and ``I_MPI_OFFLOAD_MODE`` is ``cuda`` or ``auto`` (the default)."""
+    offload = environ.get("I_MPI_OFFLOAD", "").strip()
+    mode = environ.get("I_MPI_OFFLOAD_MODE", "").strip().lower() or "auto"
+    described = f"Intel MPI {'.'.join(map(str, version))}"
+    if offload in ("1", "2") and mode in ("cuda", "auto"):
+        return True, f"{described} with I_MPI_OFFLOAD={offload} I_MPI_OFFLOAD_MODE={mode}"
+    if offload in ("1", "2"):
+        return False, (f"{described} with I_MPI_OFFLOAD_MODE={mode}, not cuda: staging GPU "
+                       "buffers through host memory")
+    return False, (f"{described} without I_MPI_OFFLOAD=1: staging GPU buffers through host "
+                   "memory (set I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda to pass them to MPI)")
+
+
+def resolve_cuda_aware(explicit: bool | None = None, environ=None, query=query_cuda_support,
+                       library: tuple[str, tuple[int, ...]] | None = None) -> tuple[bool, str]:
+    """``(cuda_aware, how it was decided)``: explicit setting, environment, Intel MPI's
+    ``I_MPI_OFFLOAD`` (``intel_gpu_buffers``), ``MPIX_Query_cuda_support``, default."""
     decided = _setting(explicit, "cuda_aware", CUDA_AWARE_ENV, environ, "MPI is CUDA-aware",
                        "stage GPU buffers through host memory")
     if decided is not None:
         return decided
+    name, version = mpi_library() if library is None else library
+    if name == "Intel MPI":
+        return intel_gpu_buffers(os.environ if environ is None else environ, version)
     answer = query()
     if answer is not None:
         return answer, "MPIX_Query_cuda_support"
@@ -135,15 +159,23 @@ def resolve_persistent(explicit: bool | None = None, environ=None,
     return False, f"{described} (not proven: nonblocking)"
 
 
-def resolve_device_started(explicit: bool | None = None, environ=None) -> tuple[bool, str]:
+def resolve_device_started(explicit: bool | None = None, environ=None,
+                           library: tuple[str, tuple[int, ...]] | None = None
+                           ) -> tuple[bool, str]:
     """``(started collectives may take device buffers, why)``: explicit setting, environment,
-    else no (Open MPI documents device buffers for blocking collectives only)."""
+    a library in ``DEVICE_STARTED_PROVEN``, else no (blocking collectives for device buffers:
+    Open MPI documents device buffers for blocking collectives only)."""
     decided = _setting(explicit, "device_started", DEVICE_STARTED_ENV, environ,
                        "this MPI documents device buffers in nonblocking collectives",
                        "blocking collectives for device buffers")
     if decided is not None:
         return decided
-    return False, "default (device buffers documented for blocking collectives only)"
+    name, version = mpi_library() if library is None else library
+    described = f"{name} {'.'.join(map(str, version))}".strip()
+    for proven, lowest in DEVICE_STARTED_PROVEN:
+        if name == proven and version >= lowest:
+            return True, f"{described} (proven by tools/mpi_probe.py --device)"
+    return False, f"{described} (not proven on device buffers: blocking collectives)"
 
 
 class Communicator:
@@ -152,11 +184,13 @@ class Communicator:
     Args:
         comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None).
         cuda_aware: whether MPI takes device buffers; None: ``ZERO1_MPI_CUDA_AWARE``, then
-            ``MPIX_Query_cuda_support``, else no (staging through pinned host memory).
+            Intel MPI's ``I_MPI_OFFLOAD``, then ``MPIX_Query_cuda_support``, else no
+            (staging through pinned host memory). ``cuda_aware_source`` says which decided.
         persistent: whether started collectives are MPI-4 persistent ones; None:
             ``ZERO1_MPI_PERSISTENT``, else only on libraries in ``PERSISTENT_PROVEN``.
         device_started: whether started collectives take device buffers; None:
-            ``ZERO1_MPI_DEVICE_STARTED``, else no (blocking collectives for device buffers).
+            ``ZERO1_MPI_DEVICE_STARTED``, then ``DEVICE_STARTED_PROVEN``, else no (blocking
+            collectives for device buffers).
         stage_host: send host buffers through the staging path too (tests, debugging).
 
     Every method must be called on all ranks of the communicator.
@@ -357,6 +391,11 @@ class Communicator:
             return local.allgather(self.rank)
         finally:
             local.Free()
+
+    def node_rank(self) -> int:
+        """This rank's place among the ranks of its node (``node_ranks``), e.g. to pick its
+        GPU with ``backend.use_device``. Must be called on all ranks."""
+        return self.node_ranks().index(self.rank)
 
     def send(self, buf: np.ndarray, dest: int) -> None:
         """Point to point, host buffers only (streaming checkpoints to one writer)."""

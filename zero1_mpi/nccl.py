@@ -5,19 +5,22 @@ run through NCCL (``cupy.cuda.nccl``), with no staging and no CUDA-aware MPI; ag
 numbers and checkpoint traffic stay on MPI, which also carries NCCL's unique id. Blocking
 collectives run on the current CuPy stream; started ones on the communicator's own stream,
 after an event on the current stream, and their ``wait()`` makes the current stream wait (no
-host synchronisation). Pick each rank's GPU (by node-local rank) before building it. Must be
-built on all ranks; a rank whose NCCL initialisation fails makes every rank raise, none hangs.
-It cannot ``split`` (so no hierarchical sharding yet).
+host synchronisation). Pick each rank's GPU (by node-local rank) before building it: NCCL
+refuses two ranks on one GPU, which every rank reports before NCCL starts. Must be built on all
+ranks; a rank whose NCCL initialisation fails makes every rank raise, none hangs. It cannot
+``split`` (so no hierarchical sharding yet).
 """
 
 from __future__ import annotations
+
+import socket
 
 import numpy as np
 
 from . import backend
 from .comm import Communicator, Request
 
-__all__ = ["NcclCommunicator", "exchange_unique_id"]
+__all__ = ["NcclCommunicator", "exchange_unique_id", "shared_gpu_error"]
 
 
 def _nccl():
@@ -50,9 +53,11 @@ class NcclCommunicator(Communicator):
                            "bfloat16": getattr(nccl, "NCCL_BFLOAT16", None)}
             self._bytes_type, self._sum = nccl.NCCL_UINT8, nccl.NCCL_SUM
             self._group = (nccl.groupStart, nccl.groupEnd)
+            device = (socket.gethostname(), backend.xp_for("cupy").cuda.Device().pci_bus_id)
         except ImportError as exc:
-            error = exc
+            error, device = exc, None
         self.agree(error)
+        self.agree(shared_gpu_error(self.allgather_objects(device)))
         uid = exchange_unique_id(self, nccl.get_unique_id)
         self.nccl = self.collective_call(lambda: nccl.NcclCommunicator(self.size, uid, self.rank),
                                          "NCCL's communicator initialisation")
@@ -170,6 +175,23 @@ def exchange_unique_id(comm: Communicator, make_id):
 
 def _ptr(buf) -> int:
     return buf.data.ptr
+
+
+def shared_gpu_error(devices: list) -> RuntimeError | None:
+    """The error for the first GPU that two ranks would share, from each rank's ``(host, PCI
+    bus id)`` in rank order; None when every rank has a GPU of its own."""
+    first = {}
+    for rank, device in enumerate(devices):
+        if device in first:
+            host, bus = device
+            return RuntimeError(
+                f"ranks {first[device]} and {rank} both use the GPU {bus} on {host}: NCCL "
+                "refuses two ranks on one GPU ('Duplicate GPU detected', since NCCL 2.5). Run "
+                "as many ranks per node as it has GPUs, each on the GPU of its node-local rank "
+                "(zero1_mpi.backend.use_device), or let ranks share GPUs through "
+                "zero1_mpi.Communicator (MPI, staged or CUDA-aware)")
+        first[device] = rank
+    return None
 
 
 def _stream() -> int:
