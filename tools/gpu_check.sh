@@ -8,12 +8,17 @@
 # kernel sources CuPy compiled in those tests, tools/gpu_bench.py, the main example on
 # CuPy arrays and, where torch has CUDA, the torch example on DLPack views of CuPy buffers
 # beside the same run with DDP, all multi-rank runs on 2 ranks (they may share a GPU), launched
-# through zero1_mpi.launcher.
+# through zero1_mpi.launcher. Then Intel MPI with device buffers (CUDA-aware; its slim runtime
+# from .whl/impi-rt-slim.tar.xz, made by tools/pack_mpi.py): tools/mpi_probe.py --device, the
+# staged and CUDA-aware paths against each other with their step times on 2 and 4 ranks
+# sharing the GPU (tests/cases/transport.py), the example on that path with its final losses
+# compared to the staged runs'; and tools/offload_bench.py (a 1B-parameter bf16 model).
 # Output: gpu_check.log (everything printed), summary.md and summary.json (one line per check,
 # and the benchmark's table).
 #
-# MPI: wheels in ./.whl (mpi4py and mpich, for machines with no registry) are used first,
-# unpacked under /tmp; else the system's mpiexec; else `pip install mpich mpi4py`.
+# MPI: wheels in ./.whl (mpi4py and mpich, for machines with no registry: tools/pack_mpi.py puts
+# them there) are used first, unpacked under /tmp; else the system's mpiexec; else
+# `pip install mpich mpi4py`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,7 +40,7 @@ if ls .whl/mpi4py-*.whl .whl/mpich-*.whl >/dev/null 2>&1; then
 elif ! command -v mpiexec >/dev/null; then
   "$PY" -m pip install -q mpich mpi4py ml_dtypes
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
 export ZERO1_REQUIRE_GPU=1
 export PYTHONUNBUFFERED=1
 
@@ -81,6 +86,38 @@ if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   done
 fi
 
+# Intel MPI with device buffers handed to MPI (I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda).
+if [ -f .whl/impi-rt-slim.tar.xz ]; then
+  impi=/tmp/zero1-gpu-check-impi
+  rm -rf "$impi" && mkdir -p "$impi" && tar -xJf .whl/impi-rt-slim.tar.xz -C "$impi"
+  IMPI=(env I_MPI_ROOT="$impi/impi" PATH="$impi/impi/bin:$PATH" FI_PROVIDER_PATH="$impi/impi/lib"
+        LD_LIBRARY_PATH="$impi/impi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        MPI4PY_LIBMPI="$impi/impi/lib/libmpi.so.12" I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda)
+  LAUNCH=("$PY" -m zero1_mpi.launcher)
+  check "impi mpi_probe --device" 150 "${IMPI[@]}" "${LAUNCH[@]}" -n 2 -- "$PY" -m mpi4py \
+    tools/mpi_probe.py --device --mode all --iterations 4
+  for n in 2 4; do
+    check "impi transport cupy $n ranks" 180 "${IMPI[@]}" "${LAUNCH[@]}" -n "$n" -- \
+      "$PY" -m mpi4py tests/cases/transport.py cupy --elements 64M
+  done
+  for dtype in float32 bfloat16; do
+    check "impi train_mlp cupy $dtype" 120 "${IMPI[@]}" "${LAUNCH[@]}" -n 2 -- "$PY" -m mpi4py \
+      examples/train_mlp.py --backend cupy --dtype "$dtype" --steps 100
+  done
+  # bf16: digit for digit (16-bit gradients are summed here, in rank order); fp32: MPI sums
+  # in its own order on each path.
+  check "train_mlp bf16 loss: staged == cuda-aware" 30 "$PY" tools/same_losses.py "$LOG" \
+    "train_mlp cupy bfloat16=impi train_mlp cupy bfloat16"
+  check "train_mlp fp32 loss: staged ~ cuda-aware" 30 "$PY" tools/same_losses.py "$LOG" \
+    --rtol 1e-5 "train_mlp cupy float32=impi train_mlp cupy float32"
+else
+  echo "=== intel mpi: FAIL: no .whl/impi-rt-slim.tar.xz (python tools/pack_mpi.py)" | tee -a "$LOG"
+  results+=("impi (cuda-aware)|FAIL (no .whl/impi-rt-slim.tar.xz)|0")
+  failed=$((failed + 1))
+fi
+check offload_bench 300 "$PY" tools/offload_bench.py --params 1B --steps 2 \
+  --json "$OUT_DIR/offload.json"
+
 {
   echo "| check | result | seconds |"
   echo "|---|---|---:|"
@@ -91,9 +128,10 @@ fi
 import json, os, sys
 out, rows = sys.argv[1], sys.argv[2:]
 checks = [dict(zip(("check", "result", "seconds"), r.split("|"))) for r in rows]
-bench = os.path.join(out, "bench.json")
-summary = {"checks": checks,
-           "bench": json.load(open(bench)) if os.path.exists(bench) else None}
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+summary = {"checks": checks, "bench": load("bench.json"), "offload": load("offload.json")}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 EOF
 cat "$OUT_DIR/summary.md"
