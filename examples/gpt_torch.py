@@ -28,7 +28,10 @@ losses (``--crash-at-step K`` makes the last rank SIGKILL itself at step K, to t
 batches with ``torch.nn.parallel.DistributedDataParallel`` (gloo) and ``torch.optim.AdamW``
 instead; with ``--dtype float32`` its loss curve matches this one (in bfloat16 torch's AdamW
 updates the bf16 weights themselves: there is no fp32 master to compare with). ``--plot FILE``
-draws the loss and tokens/s per step (needs matplotlib); ``--sample N`` prints N generated
+draws the loss and tokens/s per step (needs matplotlib); ``--reference fused`` (one rank) trains
+it with ``torch.optim.AdamW(fused=True)`` in one process, the tokens/s to compare with.
+``--device cuda`` trains on the GPUs (a rank per GPU by node-local rank, round-robin; the
+parameters and gradients are DLPack views of CuPy buffers). ``--sample N`` prints N generated
 characters at the end. Rank 0 prints the loss every ``--log-every`` steps and, last, all the
 losses as ``losses: [...]`` (JSON) for scripts.
 """
@@ -61,7 +64,8 @@ parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--weight-decay", type=float, default=0.1)
 parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="parameters and gradients (the master weights are fp32 either way)")
-parser.add_argument("--reference", default="none", choices=["none", "ddp"])
+parser.add_argument("--reference", default="none", choices=["none", "ddp", "fused"])
+parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 parser.add_argument("--checkpoint", help="directory to save sharded checkpoints in")
 parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
 parser.add_argument("--resume", action="store_true",
@@ -100,8 +104,21 @@ if args.dim % args.heads:
     exit_all(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
 if args.resume and not args.checkpoint:
     exit_all("--resume needs --checkpoint DIR")
-if args.checkpoint and args.reference == "ddp":
-    exit_all("--checkpoint is for the zero1_mpi run, not the DDP reference")
+if args.checkpoint and args.reference != "none":
+    exit_all(f"--checkpoint is for the zero1_mpi run, not the {args.reference} reference")
+if args.reference == "fused" and size != 1:
+    exit_all(f"--reference fused trains in one process: run it on 1 rank, not {size}")
+if args.device == "cuda" and args.reference == "ddp":
+    exit_all("--reference ddp runs on the CPU (gloo): use --reference fused on cuda")
+
+if args.device == "cuda":
+    import cupy
+
+    from zero1_mpi.backend import use_device
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    torch.cuda.set_device(use_device(node.Get_rank()))  # the same GPU for torch and CuPy
+    node.Free()
+device = torch.device(args.device)
 if args.plot:  # find out now, not after training, whether the plot can be drawn
     problem = None
     if rank == 0:
@@ -133,7 +150,7 @@ def get_batch(step):
     rng = np.random.default_rng([args.seed, step, rank])
     starts = torch.from_numpy(rng.integers(0, len(DATA) - args.context - 1, args.batch))
     index = starts[:, None] + torch.arange(args.context + 1)
-    chunk = DATA[index]
+    chunk = DATA[index].to(device)
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -175,7 +192,7 @@ class GPT(torch.nn.Module):
                 torch.nn.init.normal_(p, std=std)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         return F.linear(self.ln_f(x), self.wte.weight)  # tied head: logits over the vocabulary
@@ -184,7 +201,7 @@ class GPT(torch.nn.Module):
 def make_model():
     torch.manual_seed(args.seed)  # the same initial values on every rank (and in both modes)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    return GPT(VOCAB, args.context, args.dim, args.heads, args.layers).to(dtype)
+    return GPT(VOCAB, args.context, args.dim, args.heads, args.layers).to(device, dtype)
 
 
 def no_decay(name, array):
@@ -201,7 +218,10 @@ def loss_of(model, x, y):
 
 
 def as_array(tensor):
-    """A NumPy array sharing ``tensor``'s memory (NumPy knows bf16 only through ml_dtypes)."""
+    """A NumPy or CuPy array sharing ``tensor``'s memory (NumPy knows bf16 only through
+    ml_dtypes)."""
+    if tensor.is_cuda:
+        return cupy.from_dlpack(tensor)
     if tensor.dtype == torch.bfloat16:
         import ml_dtypes
         return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -209,7 +229,9 @@ def as_array(tensor):
 
 
 def as_tensor(array):
-    """A torch tensor sharing ``array``'s memory."""
+    """A torch tensor sharing ``array``'s memory (DLPack for CuPy)."""
+    if not isinstance(array, np.ndarray):
+        return torch.from_dlpack(array)
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
@@ -262,6 +284,20 @@ def setup_ddp(model):
     return ddp, update
 
 
+def setup_fused(model):
+    """One process: torch.optim.AdamW(fused=True) with the same groups and clipping."""
+    named = dict(model.named_parameters())
+    groups = decay_groups(named, args.weight_decay, no_decay)
+    opt = torch.optim.AdamW([{**g, "params": list(g["params"].values())} for g in groups],
+                            lr=args.lr, betas=(0.9, 0.95), fused=True)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return model, update
+
+
 # ---- training --------------------------------------------------------------------------------
 
 model = make_model()
@@ -270,11 +306,14 @@ tokens_per_step = args.batch * args.context * size
 print0(f"gpt_torch: world_size={size} dtype={args.dtype} params={n_params} "
        f"layers={args.layers} dim={args.dim} heads={args.heads} context={args.context} "
        f"batch={args.batch}/rank ({tokens_per_step} tokens/step) vocab={VOCAB} "
-       f"text=pydoc_data.topics ({len(TEXT)} chars) optimizer="
-       f"{'DDP + torch.optim.AdamW' if args.reference == 'ddp' else 'zero1_mpi ZeroAdamW'}")
+       f"text=pydoc_data.topics ({len(TEXT)} chars) device={args.device} optimizer=" +
+       {"ddp": "DDP + torch.optim.AdamW", "fused": "torch.optim.AdamW(fused=True)",
+        "none": "zero1_mpi ZeroAdamW"}[args.reference])
 
 if args.reference == "ddp":
     (net, update), opt = setup_ddp(model), None
+elif args.reference == "fused":
+    (net, update), opt = setup_fused(model), None
 else:
     net, (opt, update) = model, setup_zero1(model)
     pointers = {name: (p.data_ptr(), p.grad.data_ptr()) for name, p in model.named_parameters()}
@@ -315,7 +354,7 @@ if opt is not None:
              if (p.data_ptr(), p.grad.data_ptr()) != pointers[name]]
     if moved:
         raise RuntimeError(f"{moved} stopped being views of the flat buffers")
-else:
+elif args.reference == "ddp":
     torch.distributed.destroy_process_group()
 tail = tokens_per_s[len(tokens_per_s) // 10:] or tokens_per_s  # past the warm-up
 print0(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {np.median(tail):.0f} tokens/s "
@@ -326,7 +365,7 @@ if rank == 0 and args.sample:
         generator = torch.Generator().manual_seed(args.seed)
         idx = torch.tensor([[STOI[c] for c in "\n"]])
         for _ in range(args.sample):
-            logits = model(idx[:, -args.context:])[0, -1].float()
+            logits = model(idx[:, -args.context:].to(device))[0, -1].float().cpu()
             next_char = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
             idx = torch.cat([idx, next_char[None]], dim=1)
     print(f"sample:\n{''.join(CHARS[i] for i in idx[0, 1:].tolist())}\n", flush=True)

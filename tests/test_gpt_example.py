@@ -92,3 +92,16 @@ def test_plot_without_matplotlib_says_so_before_training(tmp_path):
     assert "--plot needs matplotlib, which is not installed here" in out, out
     assert "pip install matplotlib" in out and "step " not in out, out
     assert "Traceback" not in out, out
+
+
+def test_fused_reference_trains_in_one_process_and_matches_in_float32():
+    """``--reference fused``: torch.optim.AdamW(fused=True) in one process, the device
+    script's tokens/s yardstick; in fp32 on one rank its losses are zero1_mpi's."""
+    def one_rank(*args):
+        return run_mpi(1, EXAMPLE, *TINY, "--dtype", "float32", "--steps", "8", *args,
+                       timeout=150).stdout
+    fused, ours = one_rank("--reference", "fused"), one_rank()
+    assert "optimizer=torch.optim.AdamW(fused=True)" in fused and "device=cpu" in fused
+    assert losses(fused) == pytest.approx(losses(ours), rel=1e-4, abs=1e-7)
+    rc, out = run("--reference", "fused", check=False)
+    assert rc != 0 and "--reference fused trains in one process: run it on 1 rank" in out

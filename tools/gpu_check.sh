@@ -7,14 +7,15 @@
 # (a missing GPU or CuPy fails instead of skipping), tools/gpu_compile_check.py against the
 # kernel sources CuPy compiled in those tests, tools/gpu_bench.py, the main example on
 # CuPy arrays and, where torch has CUDA, the torch example on DLPack views of CuPy buffers
-# beside the same run with DDP, all multi-rank runs on 2 ranks (they may share a GPU), launched
+# beside the same run with DDP and the GPT example on one rank beside torch's fused AdamW in
+# one process (tokens/s), all multi-rank runs on 2 ranks (they may share a GPU), launched
 # through zero1_mpi.launcher. Then Intel MPI with device buffers (CUDA-aware; its slim runtime
 # from .whl/impi-rt-slim.tar.xz, made by tools/pack_mpi.py): tools/mpi_probe.py --device, the
 # staged and CUDA-aware paths against each other with their step times on 2 and 4 ranks
 # sharing the GPU (tests/cases/transport.py), the example on that path with its final losses
 # compared to the staged runs'; and tools/offload_bench.py (a 1B-parameter bf16 model).
 # Output: gpu_check.log (everything printed), summary.md and summary.json (one line per check,
-# and the benchmark's table).
+# the benchmarks' tables, the offload figures and the GPT tokens/s ratio).
 #
 # MPI: wheels in ./.whl (mpi4py and mpich, for machines with no registry: tools/pack_mpi.py puts
 # them there) are used first, unpacked under /tmp; else the system's mpiexec; else
@@ -84,6 +85,13 @@ if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
     check "torch_autograd cuda $ref" 180 "$PY" -m zero1_mpi.launcher -n 2 -- "$PY" -m mpi4py \
       examples/torch_autograd.py --device cuda --steps 60 --reference "$ref"
   done
+  # The GPT example on the GPU, one rank: zero1_mpi against torch.optim.AdamW(fused=True).
+  GPT=(examples/gpt_torch.py --device cuda --steps 120 --layers 6 --dim 384 --heads 6
+       --context 256 --batch 32 --sample 0 --log-every 40)
+  for ref in none fused; do
+    check "gpt_torch cuda $ref" 180 "$PY" -m zero1_mpi.launcher -n 1 -- "$PY" -m mpi4py \
+      "${GPT[@]}" --reference "$ref"
+  done
 fi
 
 # Intel MPI with device buffers handed to MPI (I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda).
@@ -125,13 +133,20 @@ check offload_bench 300 "$PY" tools/offload_bench.py --params 1B --steps 2 \
   [ -f "$OUT_DIR/bench.md" ] && { echo; cat "$OUT_DIR/bench.md"; }
 } >"$OUT_DIR/summary.md"
 "$PY" - "$OUT_DIR" "${results[@]}" <<'EOF'
-import json, os, sys
+import json, os, re, sys
 out, rows = sys.argv[1], sys.argv[2:]
 checks = [dict(zip(("check", "result", "seconds"), r.split("|"))) for r in rows]
 def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
-summary = {"checks": checks, "bench": load("bench.json"), "offload": load("offload.json")}
+log = open(os.path.join(out, "gpu_check.log")).read()
+gpt = {ref: float(m.group(1)) for ref in ("none", "fused") for m in [re.search(
+    rf"^=== gpt_torch cuda {ref}: .*?; (\d+) tokens/s \(median.*?^=== gpt_torch cuda {ref}: ",
+    log, re.S | re.M)] if m}
+if len(gpt) == 2:
+    gpt["zero1_over_fused"] = gpt["none"] / gpt["fused"]
+summary = {"checks": checks, "bench": load("bench.json"), "offload": load("offload.json"),
+           "gpt_tokens_per_s": gpt or None}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 EOF
 cat "$OUT_DIR/summary.md"
