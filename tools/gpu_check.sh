@@ -86,8 +86,8 @@ if "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
       examples/torch_autograd.py --device cuda --steps 60 --reference "$ref"
   done
   # The GPT example on the GPU, one rank: zero1_mpi against torch.optim.AdamW(fused=True).
-  GPT=(examples/gpt_torch.py --device cuda --steps 120 --layers 6 --dim 384 --heads 6
-       --context 256 --batch 32 --sample 0 --log-every 40)
+  GPT=(examples/gpt_torch.py --device cuda --steps 80 --layers 6 --dim 384 --heads 6
+       --context 256 --batch 32 --sample 0 --log-every 20)
   for ref in none fused; do
     check "gpt_torch cuda $ref" 180 "$PY" -m zero1_mpi.launcher -n 1 -- "$PY" -m mpi4py \
       "${GPT[@]}" --reference "$ref"
@@ -106,7 +106,7 @@ if [ -f .whl/impi-rt-slim.tar.xz ]; then
     tools/mpi_probe.py --device --mode all --iterations 4
   for n in 2 4; do
     check "impi transport cupy $n ranks" 180 "${IMPI[@]}" "${LAUNCH[@]}" -n "$n" -- \
-      "$PY" -m mpi4py tests/cases/transport.py cupy --elements 64M
+      "$PY" -m mpi4py tests/cases/transport.py cupy --elements 32M
   done
   for dtype in float32 bfloat16; do
     check "impi train_mlp cupy $dtype" 120 "${IMPI[@]}" "${LAUNCH[@]}" -n 2 -- "$PY" -m mpi4py \
@@ -150,6 +150,7 @@ summary = {"checks": checks, "bench": load("bench.json"), "offload": load("offlo
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 EOF
 cat "$OUT_DIR/summary.md"
+echo "gpu_check: ${SECONDS}s in all (the device script must fit in 8 minutes)"
 if [ "$failed" -ne 0 ]; then
   echo "gpu_check: $failed check(s) FAILED (see $LOG)"
   exit 1
