@@ -105,6 +105,7 @@ def main(argv=None) -> int:
             if world.rank == 0:
                 print(f"mpi_probe --device: MPI is not CUDA-aware here ({why}): nothing to "
                       "probe on device buffers", flush=True)
+            world.Barrier()  # rank 0 has said it before any rank's exit aborts the job
             return 2
         xp, where = xp_for("cupy"), f"device buffers ({why})"
         local = world.Split_type(MPI.COMM_TYPE_SHARED)
