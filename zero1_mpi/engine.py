@@ -217,13 +217,14 @@ class ShardedOptimizer:
                 t0 = clock()
                 scalars = self._per_tensor_scalars(self._shards(reduced), scalars)
                 update += clock() - t0
-            t0 = clock()
+            t0 = clock()  # (offloaded, the wait for a bucket's gradient copy counts as update)
             for bucket, grads in self._shards(None if self.rule.tensor_sums else reduced):
                 self._update_shard(bucket, grads, scalars)
                 t1 = clock()
-                for index in self._published(bucket):
+                for index in self._published(bucket):  # whose new shard has landed
                     self.buckets.start_gather(index)
-                t0, update, gather = clock(), update + t1 - t0, gather + clock() - t1
+                t2 = clock()
+                update, gather, t0 = update + t1 - t0, gather + t2 - t1, t2
             for index in self._published(None):
                 self.buckets.start_gather(index)
             gather += clock() - t0
