@@ -97,7 +97,9 @@ fi
 # Intel MPI with device buffers handed to MPI (I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda).
 if [ -f .whl/impi-rt-slim.tar.xz ]; then
   impi=/tmp/zero1-gpu-check-impi
-  rm -rf "$impi" && mkdir -p "$impi" && tar -xJf .whl/impi-rt-slim.tar.xz -C "$impi"
+  rm -rf "$impi" && mkdir -p "$impi"
+  "$PY" -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+    .whl/impi-rt-slim.tar.xz "$impi"
   IMPI=(env I_MPI_ROOT="$impi/impi" PATH="$impi/impi/bin:$PATH" FI_PROVIDER_PATH="$impi/impi/lib"
         LD_LIBRARY_PATH="$impi/impi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         MPI4PY_LIBMPI="$impi/impi/lib/libmpi.so.12" I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda)
@@ -145,8 +147,11 @@ gpt = {ref: float(m.group(1)) for ref in ("none", "fused") for m in [re.search(
     log, re.S | re.M)] if m}
 if len(gpt) == 2:
     gpt["zero1_over_fused"] = gpt["none"] / gpt["fused"]
+transport = [dict(zip(("ranks", "staged_ms", "cuda_aware_ms"), map(float, found))) for found
+             in re.findall(r"^TIME cupy (\d+) ranks, .*? staged ([\d.]+) ms/step .*? direct "
+                           r"([\d.]+) ms/step", log, re.M)]
 summary = {"checks": checks, "bench": load("bench.json"), "offload": load("offload.json"),
-           "gpt_tokens_per_s": gpt or None}
+           "gpt_tokens_per_s": gpt or None, "staged_vs_cuda_aware": transport or None}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 EOF
 cat "$OUT_DIR/summary.md"
