@@ -256,6 +256,7 @@ class ShardedOptimizer:
 
     def gather_params(self) -> None:
         """All-gather the parameters, blocking (after writing ``shard_state()``); all ranks."""
+        self.wait()  # gathers that step(wait=False) left in flight write the same buffer
         if self._offload is not None and not self._mixed:  # the masters are the parameters
             self._offload.push_all()
         self.buckets.gather_all()
@@ -304,16 +305,19 @@ class ShardedOptimizer:
         device = [self._params, self._grads] + ([] if self._offload else sharded)
         padding = sum(a.nbytes for a in device if a is not None) - real["parameters"] \
             - real["gradients"]
-        scratch = self.buckets.scratch_bytes + self.comm.staging_bytes \
-            + self._reductions.scratch_bytes
-        host_padding = host_scratch = 0
+        scratch = self.buckets.scratch_bytes + self._reductions.scratch_bytes
+        host_padding, host_scratch = 0, 0
+        if self.backend == "cupy":  # staging buffers for MPI are page-locked host memory
+            host_scratch += self.comm.staging_bytes
+        else:
+            scratch += self.comm.staging_bytes
         sharded_real = real["master_weights"] + sum(state.values())
         if self._offload is None:
             padding -= sharded_real
             scratch += self._kernel.scratch_bytes
         else:
             host_padding = sum(a.nbytes for a in sharded if a is not None) - sharded_real
-            host_scratch = self._offload.scratch_bytes + self._kernel.scratch_bytes + \
+            host_scratch += self._offload.scratch_bytes + self._kernel.scratch_bytes + \
                 (0 if self._offload.params16 is None else self._offload.params16.nbytes)
         return MemoryReport(**real, state=state, padding=padding, comm_scratch=scratch,
                             psi=psi, group_size=self.shard_group_size, rank=self.shard_rank,

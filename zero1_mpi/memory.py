@@ -198,8 +198,9 @@ class MemoryReport:
     ``group_size``: the ranks the state is sharded over (K; all N ranks without hierarchical
     sharding), and ``rank`` this rank's place among them. ``rule``: the update rule's name,
     for display. ``offloaded``: the master weights and state are on the host (``offload``;
-    then fp32 params have a master too), with their padding in ``host_padding`` and the host's
-    copy buffers in ``host_scratch``; ``device_bytes`` and ``host_bytes`` split ``total``.
+    then fp32 params have a master too), with their padding in ``host_padding``;
+    ``host_scratch``: host buffers for device parameters (MPI staging, offload's copies);
+    ``device_bytes`` and ``host_bytes`` split ``total``.
     """
 
     parameters: int
@@ -275,8 +276,8 @@ class MemoryReport:
 
     @property
     def host_bytes(self) -> int:
-        """What the host holds for the shard: offloaded, the master weights, the state, their
-        padding and the copy buffers; else 0."""
+        """What the host holds beside the device: ``host_scratch``, and offloaded, the master
+        weights, the state and their padding (0 for NumPy parameters not offloaded)."""
         sharded = self.optimizer_state if self.offloaded else 0
         return sharded + self.host_padding + self.host_scratch
 

@@ -162,7 +162,10 @@ class HostShard:
             cupy = backend.xp_for("cupy")
             self._to_host = cupy.cuda.Stream(non_blocking=True)
             self._to_device = cupy.cuda.Stream(non_blocking=True)
-            self._fetches = [None, None]  # the event of each slot's copy in flight
+            event = lambda: cupy.cuda.Event(disable_timing=True)  # noqa: E731 - recorded again
+            self._fetches = [event(), event()]  # each slot's copy in flight
+            self._pushes = [event() for _ in layout.buckets]  # each bucket's copy back
+            self._current = event()  # the work queued on the current stream before a step
 
     def _host(self, n: int, dtype, pinned: bool) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -204,7 +207,7 @@ class HostShard:
         event = None
         if self._device:  # as bytes: CuPy's set() would compare bf16 dtypes of two libraries
             target.view(np.uint8).set(source.view(np.uint8), stream=self._to_device)
-            event = self._to_device.record()
+            event = self._to_device.record(self._pushes[bucket.index])
         else:
             np.copyto(target, source)
         self._pushed.append((bucket.index, event))
@@ -227,7 +230,7 @@ class HostShard:
         """Order the copy streams after the work queued so far on the current stream (the
         reduction that wrote the gradients; kernels still reading the parameters)."""
         if self._device:
-            done = backend.xp_for("cupy").cuda.get_current_stream().record()
+            done = backend.xp_for("cupy").cuda.get_current_stream().record(self._current)
             self._to_host.wait_event(done)
             self._to_device.wait_event(done)
 
@@ -235,7 +238,7 @@ class HostShard:
         slot = self._slots[index % 2][:reduced.nbytes]
         if self._device:
             reduced.view(np.uint8).get(stream=self._to_host, out=slot, blocking=False)
-            self._fetches[index % 2] = self._to_host.record()
+            self._to_host.record(self._fetches[index % 2])
         else:
             np.copyto(slot, reduced.view(np.uint8))
 
