@@ -11,6 +11,7 @@ two copy streams of the shard's own. NumPy parameters: the same steps as explici
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections import deque
@@ -162,7 +163,7 @@ class HostShard:
             cupy = backend.xp_for("cupy")
             self._to_host = cupy.cuda.Stream(non_blocking=True)
             self._to_device = cupy.cuda.Stream(non_blocking=True)
-            event = lambda: cupy.cuda.Event(disable_timing=True)  # noqa: E731 - recorded again
+            event = functools.partial(cupy.cuda.Event, disable_timing=True)  # recorded again
             self._fetches = [event(), event()]  # each slot's copy in flight
             self._pushes = [event() for _ in layout.buckets]  # each bucket's copy back
             self._current = event()  # the work queued on the current stream before a step
