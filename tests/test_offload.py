@@ -162,3 +162,15 @@ def test_offload_bench_tool_reports_both_settings(tmp_path, rule):
     assert 4 <= offloaded["device_report_per_param"] < 4.5  # + padding and scratch
     assert offloaded["host_report_per_param"] >= k
     assert "offloaded step / device step" in result.stdout
+
+
+def test_importing_the_package_starts_no_thread_pool_machinery():
+    """concurrent.futures is imported only when an offloaded optimizer uses threads: its
+    shutdown hook made a JAX process abort at exit now and then (tests/test_jax_example.py)."""
+    import subprocess
+    import sys
+    code = ("import sys, zero1_mpi, zero1_mpi.offload; "
+            "print(sorted(m for m in sys.modules if m.startswith('concurrent')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

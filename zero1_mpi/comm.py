@@ -32,9 +32,10 @@ from . import backend
 __all__ = ["Communicator", "Request", "CollectiveError", "DONE", "query_cuda_support",
            "resolve_cuda_aware", "resolve_persistent", "resolve_device_started", "mpi_library",
            "intel_gpu_buffers", "CUDA_AWARE_ENV", "PERSISTENT_ENV", "DEVICE_STARTED_ENV",
-           "PERSISTENT_PROVEN", "DEVICE_STARTED_PROVEN"]
+           "PERSISTENT_PROVEN", "DEVICE_STARTED_PROVEN", "ABORT_GRACE_SECONDS"]
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
+ABORT_GRACE_SECONDS = 0.2  # after writing why, before MPI_Abort (see abort_on_error)
 PERSISTENT_ENV = "ZERO1_MPI_PERSISTENT"
 DEVICE_STARTED_ENV = "ZERO1_MPI_DEVICE_STARTED"
 #: (library, lowest version) whose persistent collectives tools/mpi_probe.py found right
@@ -263,10 +264,13 @@ class Communicator:
             yield
         except BaseException:
             if self.size > 1:
+                # One write, and a moment for the launcher to forward it: MPI_Abort kills the
+                # job at once, and what its proxies had not yet read is lost.
                 sys.stderr.write(f"zero1_mpi: rank {self.rank} failed {doing}; aborting all "
-                                 f"{self.size} ranks so that none waits forever\n")
-                traceback.print_exc()
+                                 f"{self.size} ranks so that none waits forever\n"
+                                 f"{traceback.format_exc()}")
                 sys.stderr.flush()
+                time.sleep(ABORT_GRACE_SECONDS)
                 self._comm.Abort(1)
             raise
 

@@ -15,7 +15,6 @@ import functools
 import os
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -70,6 +69,10 @@ class ThreadedKernel:
         self._kernels = [make() for _ in range(threads)]
         self._pool = None
         if threads > 1:
+            # Imported here: concurrent.futures adds a hook to the interpreter's shutdown, and
+            # with it a JAX process (XLA 0.10) sometimes aborted at exit ("terminate called
+            # without an active exception"), in about 1 run of 20.
+            from concurrent.futures import ThreadPoolExecutor
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zero1-offload")
             weakref.finalize(self, self._pool.shutdown, wait=False)
 
