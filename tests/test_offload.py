@@ -86,7 +86,7 @@ def test_threaded_kernel_raises_a_threads_error():
 def test_host_shard_copies_one_bucket_ahead_and_pushes_behind():
     layout = build_layout({"w": (40,), "b": (24,)}, 2, "bfloat16", bucket_elements=16)
     params = np.zeros(layout.total, PARAM_DTYPES["bfloat16"])
-    shard = HostShard(layout, 1, params, ("exp_avg",), mixed=True, grad_itemsize=4)
+    shard = HostShard(layout, 1, params, ("exp_avg",), mixed=True)
     reduced = [np.arange(b.shard_size, dtype=np.float32) + 100 * b.index
                for b in layout.buckets]
     seen = []

@@ -98,7 +98,7 @@ def intel_gpu_buffers(environ, version: tuple[int, ...]) -> tuple[bool, str]:
     and ``I_MPI_OFFLOAD_MODE`` is ``cuda`` or ``auto`` (the default)."""
     offload = environ.get("I_MPI_OFFLOAD", "").strip()
     mode = environ.get("I_MPI_OFFLOAD_MODE", "").strip().lower() or "auto"
-    described = f"Intel MPI {'.'.join(map(str, version))}"
+    described = _described(("Intel MPI", version))
     if offload in ("1", "2") and mode in ("cuda", "auto"):
         return True, f"{described} with I_MPI_OFFLOAD={offload} I_MPI_OFFLOAD_MODE={mode}"
     if offload in ("1", "2"):
@@ -152,12 +152,10 @@ def resolve_persistent(explicit: bool | None = None, environ=None,
                        "use MPI-4 persistent collectives", "nonblocking ones")
     if decided is not None:
         return decided
-    name, version = mpi_library() if library is None else library
-    described = f"{name} {'.'.join(map(str, version))}".strip()
-    for proven, lowest in PERSISTENT_PROVEN:
-        if name == proven and version >= lowest:
-            return True, f"{described} (proven)"
-    return False, f"{described} (not proven: nonblocking)"
+    library = mpi_library() if library is None else library
+    if _proven(library, PERSISTENT_PROVEN):
+        return True, f"{_described(library)} (proven)"
+    return False, f"{_described(library)} (not proven: nonblocking)"
 
 
 def resolve_device_started(explicit: bool | None = None, environ=None,
@@ -171,12 +169,22 @@ def resolve_device_started(explicit: bool | None = None, environ=None,
                        "blocking collectives for device buffers")
     if decided is not None:
         return decided
-    name, version = mpi_library() if library is None else library
-    described = f"{name} {'.'.join(map(str, version))}".strip()
-    for proven, lowest in DEVICE_STARTED_PROVEN:
-        if name == proven and version >= lowest:
-            return True, f"{described} (proven by tools/mpi_probe.py --device)"
-    return False, f"{described} (not proven on device buffers: blocking collectives)"
+    library = mpi_library() if library is None else library
+    if _proven(library, DEVICE_STARTED_PROVEN):
+        return True, f"{_described(library)} (proven by tools/mpi_probe.py --device)"
+    return False, f"{_described(library)} (not proven on device buffers: blocking collectives)"
+
+
+def _proven(library: tuple[str, tuple[int, ...]], table) -> bool:
+    """Whether ``(name, version)`` is at least one of ``table``'s ``(name, lowest version)``."""
+    name, version = library
+    return any(name == proven and version >= lowest for proven, lowest in table)
+
+
+def _described(library: tuple[str, tuple[int, ...]]) -> str:
+    """``"MPICH 5.0.2"``: a library's name and version, for the reasons the settings give."""
+    name, version = library
+    return f"{name} {'.'.join(map(str, version))}".strip()
 
 
 class Communicator:

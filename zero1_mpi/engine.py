@@ -301,24 +301,21 @@ class ShardedOptimizer:
         real = {"parameters": psi * self.param_dtype.itemsize,
                 "gradients": psi * self.param_dtype.itemsize,
                 "master_weights": 0 if self._master is None else owned * FP32.itemsize}
-        sharded = [self._master, *self._state.values()]
-        device = [self._params, self._grads] + ([] if self._offload else sharded)
-        padding = sum(a.nbytes for a in device if a is not None) - real["parameters"] \
-            - real["gradients"]
-        scratch = self.buckets.scratch_bytes + self._reductions.scratch_bytes
-        host_padding, host_scratch = 0, 0
-        if self.backend == "cupy":  # staging buffers for MPI are page-locked host memory
-            host_scratch += self.comm.staging_bytes
-        else:
-            scratch += self.comm.staging_bytes
+        sharded = [a for a in (self._master, *self._state.values()) if a is not None]
         sharded_real = real["master_weights"] + sum(state.values())
+        device = [self._params, self._grads] + ([] if self._offload else sharded)
+        padding = sum(a.nbytes for a in device) - real["parameters"] - real["gradients"]
+        scratch = self.buckets.scratch_bytes + self._reductions.scratch_bytes
+        # Page-locked MPI staging (CuPy parameters) and the offloaded shard are the host's.
+        host_scratch = self.comm.staging_bytes if self.backend == "cupy" else 0
+        scratch += self.comm.staging_bytes - host_scratch
+        host_padding = 0
         if self._offload is None:
             padding -= sharded_real
             scratch += self._kernel.scratch_bytes
         else:
-            host_padding = sum(a.nbytes for a in sharded if a is not None) - sharded_real
-            host_scratch += self._offload.scratch_bytes + self._kernel.scratch_bytes + \
-                (0 if self._offload.params16 is None else self._offload.params16.nbytes)
+            host_padding = sum(a.nbytes for a in sharded) - sharded_real
+            host_scratch += self._offload.scratch_bytes + self._kernel.scratch_bytes
         return MemoryReport(**real, state=state, padding=padding, comm_scratch=scratch,
                             psi=psi, group_size=self.shard_group_size, rank=self.shard_rank,
                             param_dtype=self.param_dtype.name, rule=self.rule.name,
@@ -335,7 +332,7 @@ class ShardedOptimizer:
         largest = max(b.shard_size for b in layout.buckets)
         if self.offload:
             self._offload = HostShard(layout, self.shard_rank, self._params,
-                                      self.rule.state_names, self._mixed, FP32.itemsize)
+                                      self.rule.state_names, self._mixed)
             self._master, self._state = self._offload.master, self._offload.state
             self._kernel = ThreadedKernel(lambda: self.rule.kernel(self.kernel, largest),
                                           threads)
@@ -556,8 +553,7 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
         {**settings, "backend": backend_name,
          "param group options": [group_options(g, rule) for g in groups],
          "reduce_dtype": reduce_dtype, "max_grad_norm": max_grad_norm, "loss_scale": scaler,
-         "bucket_elements": bucket_elements, "shard_group_size": group_size,
-         "offload": offload},
+         "bucket_elements": bucket_elements, "shard_group_size": group_size},
         "an option", "construct the optimizer with the same arguments on every rank")
     _check_layouts_agree(comm, layout)
     return _Setup(comm, group_size, groups, arrays, dtype, backend_name, kernel, reduce_dtype,

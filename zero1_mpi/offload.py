@@ -146,11 +146,9 @@ class HostShard:
         params: the flat parameter buffer (NumPy or CuPy): where ``push`` writes.
         state_names: the rule's state arrays.
         mixed: 16-bit parameters (else fp32: the host master is what ``push`` sends).
-        grad_itemsize: the most bytes per element of a reduced gradient shard.
     """
 
-    def __init__(self, layout, shard_rank: int, params, state_names, mixed: bool,
-                 grad_itemsize: int):
+    def __init__(self, layout, shard_rank: int, params, state_names, mixed: bool):
         self.layout, self.shard_rank, self._params = layout, shard_rank, params
         self._device = backend.is_device_array(params)
         n = layout.shard_total
@@ -159,7 +157,8 @@ class HostShard:
         self.state = {name: np.zeros(n, FP32) for name in state_names}
         self.params16 = self._host(n, params.dtype, pinned=True) if mixed else None
         largest = max(b.shard_size for b in layout.buckets)
-        self._slots = [backend.pinned_empty(largest * grad_itemsize, self._device)
+        # A reduced gradient shard is at most fp32 (16-bit ones are summed in fp32).
+        self._slots = [backend.pinned_empty(largest * FP32.itemsize, self._device)
                        for _ in range(2)]
         self._pushed = deque()  # (bucket index, event or None), oldest first
         if self._device:
@@ -180,15 +179,10 @@ class HostShard:
         return np.zeros(n, dtype)
 
     @property
-    def host_arrays(self) -> list:
-        """The shard's host arrays (master, state, 16-bit output)."""
-        return [self.master, *self.state.values()] + \
-            ([] if self.params16 is None else [self.params16])
-
-    @property
     def scratch_bytes(self) -> int:
-        """Bytes of the two gradient slots."""
-        return sum(slot.nbytes for slot in self._slots)
+        """Bytes of the copy buffers: the two gradient slots and the 16-bit output."""
+        return sum(slot.nbytes for slot in self._slots) + \
+            (0 if self.params16 is None else self.params16.nbytes)
 
     def fetched(self, reduced):
         """Yield ``(bucket, host copy of its reduced gradient shard)`` in bucket order, the
