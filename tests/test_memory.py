@@ -444,3 +444,16 @@ def test_memory_table_tool_takes_shard_group(tool, capsys):
     assert tool.main(["--shard-group", "4", "--gpus", "4,8"]) == 0
     out = capsys.readouterr().out
     assert "sharded within groups of 4 GPUs" in out and "49.0G" in out  # 4Ψ + 12Ψ/4 at 7B
+
+
+def test_printed_table_shows_host_bytes_whenever_there_are_any():
+    """CuPy parameters stage MPI through page-locked host buffers even without offload: the
+    table then lists host_scratch and the device/host split, so its rows add up to total."""
+    fields = dict(parameters=8, gradients=8, master_weights=16, state={"exp_avg": 16},
+                  padding=0, comm_scratch=0, psi=4, group_size=1, rank=0,
+                  param_dtype="bfloat16")
+    plain, staged = MemoryReport(**fields), MemoryReport(**fields, host_scratch=100)
+    assert "host_scratch" not in str(plain) and "  host " not in str(plain)
+    assert "host_scratch               100" in str(staged)
+    assert staged.host_bytes == 100 and staged.device_bytes == 48
+    assert "  host                       100" in str(staged)

@@ -333,9 +333,10 @@ class MemoryReport:
                  f"  {'category':<16}{'bytes':>14}{'MiB':>11}"]
         rows = [(name, getattr(self, name)) for name in _BYTE_FIELDS[:3]]
         rows += list(self.state.items())
+        split = self.offloaded or self.host_bytes > 0  # a device and a host side to show
         rows += [(name, getattr(self, name))
-                 for name in _BYTE_FIELDS[3:5 + 2 * self.offloaded] + ("total",)]
-        if self.offloaded:
+                 for name in _BYTE_FIELDS[3:7 if split else 5] + ("total",)]
+        if split:
             rows += [("device", self.device_bytes), ("host", self.host_bytes)]
         for name, value in rows:
             lines.append(f"  {name:<16}{value:>14}{value / mib:>11.2f}")
