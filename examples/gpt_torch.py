@@ -2,12 +2,14 @@
 
 A small character-level GPT (token and position embeddings, pre-LayerNorm blocks of causal
 self-attention and an MLP, an output head tied to the token embedding) trained with PyTorch
-autograd and zero1_mpi. Every ``nn.Parameter``'s data and ``.grad`` are views of the
-optimizer's flat buffers (no copies): autograd accumulates the gradients straight into
-``opt.grads``, a hook on each parameter calls ``opt.grads_ready`` as soon as its gradient is
-final (the reductions start during backward), and the all-gather of the updated parameters
-completes when the next forward needs them. The parameters are bfloat16 with fp32 master
-weights and AdamW state sharded over the ranks (ZeRO stage 1), clipped to a global norm of 1.
+autograd and ``zero1_mpi.torch.ZeroOptimizer`` (a ``torch.optim.Optimizer``; a torch LR
+scheduler drives it). Every ``nn.Parameter``'s data and ``.grad`` are views of the optimizer's
+flat buffers (no copies): autograd accumulates the gradients straight into them, the
+reductions start during backward (``overlap=True``: a hook per parameter), and the all-gather
+of the updated parameters completes when the next forward needs them. The parameters are
+bfloat16 with fp32 master weights and AdamW state sharded over the ranks (ZeRO stage 1),
+clipped to a global norm of 1; ``--schedule cosine`` warms the learning rate up over
+``--warmup`` steps and decays it to 10% (constant by default).
 
 The text is Python's own documentation, ``pydoc_data.topics`` (about 465K characters, shipped
 with CPython: no download); the vocabulary is its characters. Each rank draws its own batches
@@ -24,12 +26,13 @@ about a minute.
 ``--checkpoint DIR`` saves a sharded checkpoint every ``--save-every`` steps and at the end;
 ``--resume`` starts from the newest one in ``DIR`` (saved at any number of ranks); on as many
 ranks as before, it goes on with the batches the interrupted run would have drawn, and the same
-losses (``--crash-at-step K`` makes the last rank SIGKILL itself at step K, to try it). ``--reference ddp`` trains the same model on the same
-batches with ``torch.nn.parallel.DistributedDataParallel`` (gloo) and ``torch.optim.AdamW``
-instead; with ``--dtype float32`` its loss curve matches this one (in bfloat16 torch's AdamW
-updates the bf16 weights themselves: there is no fp32 master to compare with). ``--plot FILE``
-draws the loss and tokens/s per step (needs matplotlib); ``--reference fused`` (one rank) trains
-it with ``torch.optim.AdamW(fused=True)`` in one process, the tokens/s to compare with.
+losses (``--crash-at-step K`` makes the last rank SIGKILL itself at step K, to try it).
+``--reference ddp`` trains the same model on the same batches and schedule with
+``torch.nn.parallel.DistributedDataParallel`` (gloo) and ``torch.optim.AdamW`` instead; with
+``--dtype float32`` its loss curve matches this one (in bfloat16 torch's AdamW updates the bf16
+weights themselves: there is no fp32 master to compare with). ``--plot FILE`` draws the loss
+and tokens/s per step (needs matplotlib); ``--reference fused`` (one rank) trains it with
+``torch.optim.AdamW(fused=True)`` in one process, the tokens/s to compare with.
 ``--device cuda`` trains on the GPUs (a rank per GPU by node-local rank, round-robin; the
 parameters and gradients are DLPack views of CuPy buffers). ``--sample N`` prints N generated
 characters at the end. Rank 0 prints the loss every ``--log-every`` steps and, last, all the
@@ -51,7 +54,8 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
-from zero1_mpi import ZeroAdamW, decay_groups
+from zero1_mpi import decay_groups
+from zero1_mpi.torch import ZeroOptimizer
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--layers", type=int, default=4)
@@ -62,6 +66,9 @@ parser.add_argument("--batch", type=int, default=16, help="sequences per rank pe
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--weight-decay", type=float, default=0.1)
+parser.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                    help="the learning rate (a torch LR scheduler drives it either way)")
+parser.add_argument("--warmup", type=int, default=20, help="warm-up steps of --schedule cosine")
 parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="parameters and gradients (the master weights are fp32 either way)")
 parser.add_argument("--reference", default="none", choices=["none", "ddp", "fused"])
@@ -111,12 +118,9 @@ if args.reference == "fused" and size != 1:
 if args.device == "cuda" and args.reference == "ddp":
     exit_all("--reference ddp runs on the CPU (gloo): use --reference fused on cuda")
 
-if args.device == "cuda":
-    import cupy
-
-    from zero1_mpi.backend import use_device
+if args.device == "cuda":  # a GPU per rank, by node-local rank (round-robin)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    torch.cuda.set_device(use_device(node.Get_rank()))  # the same GPU for torch and CuPy
+    torch.cuda.set_device(node.Get_rank() % torch.cuda.device_count())
     node.Free()
 device = torch.device(args.device)
 if args.plot:  # find out now, not after training, whether the plot can be drawn
@@ -217,46 +221,16 @@ def loss_of(model, x, y):
 # ---- zero1_mpi: the parameters and gradients live in the optimizer's flat buffers -----------
 
 
-def as_array(tensor):
-    """A NumPy or CuPy array sharing ``tensor``'s memory (NumPy knows bf16 only through
-    ml_dtypes)."""
-    if tensor.is_cuda:
-        return cupy.from_dlpack(tensor)
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-def as_tensor(array):
-    """A torch tensor sharing ``array``'s memory (DLPack for CuPy)."""
-    if not isinstance(array, np.ndarray):
-        return torch.from_dlpack(array)
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
 def setup_zero1(model):
-    """ZeroAdamW over the model's parameters; returns (optimizer, update step)."""
-    named = dict(model.named_parameters())  # the tied weight once, as "wte.weight"
-    arrays = {name: as_array(p.detach()) for name, p in named.items()}
+    """ZeroAdamW over the model's parameters (a torch.optim.Optimizer); returns it twice, as
+    the optimizer and as the update step."""
     # The flat buffer holds the groups in order and its buckets are reduced last to first, the
     # order of backward: the no-decay group (with the token embedding, whose gradient is final
     # only at the very end of backward, after the head's and the lookup's are summed) goes first.
-    no_decay_first = decay_groups(arrays, args.weight_decay, no_decay)[::-1]
-    opt = ZeroAdamW(no_decay_first, comm, lr=args.lr, betas=(0.9, 0.95),
-                    max_grad_norm=MAX_NORM, param_dtype=args.dtype)
-    for name, p in named.items():  # from here on the model reads and writes the flat buffers
-        p.data = as_tensor(opt.params[name])
-        p.grad = as_tensor(opt.grads[name])
-        # Final once autograd has accumulated it (the tied weight: both uses, summed): its
-        # bucket's reduction can start while backward goes on through the earlier layers.
-        p.register_post_accumulate_grad_hook(lambda _, name=name: opt.grads_ready([name]))
-    # step(wait=False) leaves the all-gather of the parameters in flight: the next forward
-    # completes it first.
-    model.register_forward_pre_hook(lambda *_: opt.wait())
-    return opt, lambda: opt.step(wait=False)  # averages over ranks, clips; zeroes the grads
+    groups = decay_groups(dict(model.named_parameters()), args.weight_decay, no_decay)[::-1]
+    opt = ZeroOptimizer(groups, "adamw", comm, module=model, lr=args.lr, betas=(0.9, 0.95),
+                        max_grad_norm=MAX_NORM, param_dtype=args.dtype, overlap=True)
+    return opt, opt.step  # step(): averages over ranks, clips, updates; zeroes the grads
 
 
 # ---- the reference: DistributedDataParallel + torch.optim.AdamW -----------------------------
@@ -271,31 +245,31 @@ def setup_ddp(model):
     port = comm.bcast(store.port if rank == 0 else None)
     store = store or dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    named = dict(model.named_parameters())
-    groups = decay_groups(named, args.weight_decay, no_decay)  # the same split, as torch groups
+    return torch.nn.parallel.DistributedDataParallel(model), *torch_adamw(model)
+
+
+def torch_adamw(model, **kwargs):
+    """torch.optim.AdamW with the same groups, clipping first; returns (optimizer, update)."""
+    groups = decay_groups(dict(model.named_parameters()), args.weight_decay, no_decay)
     opt = torch.optim.AdamW([{**g, "params": list(g["params"].values())} for g in groups],
-                            lr=args.lr, betas=(0.9, 0.95))
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
-        opt.step()
-        opt.zero_grad()
-    return ddp, update
-
-
-def setup_fused(model):
-    """One process: torch.optim.AdamW(fused=True) with the same groups and clipping."""
-    named = dict(model.named_parameters())
-    groups = decay_groups(named, args.weight_decay, no_decay)
-    opt = torch.optim.AdamW([{**g, "params": list(g["params"].values())} for g in groups],
-                            lr=args.lr, betas=(0.9, 0.95), fused=True)
+                            lr=args.lr, betas=(0.9, 0.95), **kwargs)
 
     def update():
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
-    return model, update
+    return opt, update
+
+
+def lr_factor(step):
+    """The learning rate at ``step``, as a fraction of --lr: constant, or --warmup steps of
+    linear warm-up then a cosine decay to 10% at --steps."""
+    if args.schedule == "constant":
+        return 1.0
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    done = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
 # ---- training --------------------------------------------------------------------------------
@@ -306,17 +280,17 @@ tokens_per_step = args.batch * args.context * size
 print0(f"gpt_torch: world_size={size} dtype={args.dtype} params={n_params} "
        f"layers={args.layers} dim={args.dim} heads={args.heads} context={args.context} "
        f"batch={args.batch}/rank ({tokens_per_step} tokens/step) vocab={VOCAB} "
-       f"text=pydoc_data.topics ({len(TEXT)} chars) device={args.device} optimizer=" +
+       f"text=pydoc_data.topics ({len(TEXT)} chars) device={args.device} "
+       f"schedule={args.schedule} optimizer=" +
        {"ddp": "DDP + torch.optim.AdamW", "fused": "torch.optim.AdamW(fused=True)",
         "none": "zero1_mpi ZeroAdamW"}[args.reference])
 
 if args.reference == "ddp":
-    (net, update), opt = setup_ddp(model), None
+    net, opt, update = setup_ddp(model)
 elif args.reference == "fused":
-    (net, update), opt = setup_fused(model), None
+    net, (opt, update) = model, torch_adamw(model, fused=True)
 else:
     net, (opt, update) = model, setup_zero1(model)
-    pointers = {name: (p.data_ptr(), p.grad.data_ptr()) for name, p in model.named_parameters()}
 start = 0
 if args.resume:
     if (Path(args.checkpoint) / "LATEST").exists():
@@ -327,6 +301,11 @@ if args.resume:
                      f"left to train with --steps {args.steps} (raise it)")
     else:
         print0(f"no checkpoint in {args.checkpoint} yet: starting at step 0")
+# The same scheduler drives whichever optimizer trains, from the step training starts at, and
+# from --lr (a checkpoint restores the learning rate it was saved with: the scheduled one).
+for group in opt.param_groups:
+    group["initial_lr"] = args.lr
+scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(start + k))
 
 losses, tokens_per_s = [], []
 for step in range(start, args.steps):
@@ -338,23 +317,17 @@ for step in range(start, args.steps):
     loss = loss_of(net, x, y)
     loss.backward()  # zero1_mpi: accumulates into opt.grads; the hooks start the reductions
     update()
+    scheduler.step()
     losses.append(comm.allreduce(loss.item()) / size)  # mean over ranks (and a sync, for timing)
     tokens_per_s.append(tokens_per_step / (time.perf_counter() - t0))
-    if opt is not None and args.checkpoint and ((step + 1) % args.save_every == 0
-                                                or step == args.steps - 1):
+    if args.checkpoint and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
         opt.save(args.checkpoint, keep=2)
     if step % args.log_every == 0 or step == args.steps - 1:
         print0(f"step {step:5d} | loss {losses[-1]:.4f} | "
                f"{1e3 * tokens_per_step / tokens_per_s[-1]:7.1f} ms/step | "
                f"{tokens_per_s[-1]:8.0f} tokens/s")
 
-if opt is not None:
-    opt.wait()  # the last all-gather, on every rank
-    moved = [name for name, p in model.named_parameters()
-             if (p.data_ptr(), p.grad.data_ptr()) != pointers[name]]
-    if moved:
-        raise RuntimeError(f"{moved} stopped being views of the flat buffers")
-elif args.reference == "ddp":
+if args.reference == "ddp":
     torch.distributed.destroy_process_group()
 tail = tokens_per_s[len(tokens_per_s) // 10:] or tokens_per_s  # past the warm-up
 print0(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {np.median(tail):.0f} tokens/s "

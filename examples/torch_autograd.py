@@ -1,8 +1,9 @@
 """mpiexec -n 4 python -m mpi4py examples/torch_autograd.py
 
-A PyTorch model trained by zero1_mpi: every ``nn.Parameter``'s data and ``.grad`` are views of
-the optimizer's flat buffers (no copies), so autograd writes gradients straight into
-``opt.grads`` and ``opt.step()`` updates the tensors the model reads. Each rank draws its own
+A PyTorch model trained by zero1_mpi through ``zero1_mpi.torch.ZeroOptimizer`` (a
+``torch.optim.Optimizer``): every ``nn.Parameter``'s data and ``.grad`` are views of the
+optimizer's flat buffers (no copies), so autograd writes gradients straight into them and
+``opt.step()`` updates the tensors the model reads. Each rank draws its own
 batches; the optimizer averages the gradients over ranks (ZeRO stage 1 AdamW with clipping).
 
     mpiexec -n 4 python -m mpi4py examples/torch_autograd.py --dtype bfloat16
@@ -22,11 +23,10 @@ import json
 import os
 from datetime import timedelta
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
-from zero1_mpi import ZeroAdamW
+from zero1_mpi.torch import ZeroOptimizer
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=100)
@@ -54,12 +54,9 @@ def print0(*a):
         print(*a, flush=True)
 
 
-if args.device == "cuda":
-    import cupy
+if args.device == "cuda":  # a GPU per rank, by node-local rank (round-robin)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-    device_index = local % torch.cuda.device_count()
-    torch.cuda.set_device(device_index)
-    cupy.cuda.Device(device_index).use()
+    torch.cuda.set_device(local % torch.cuda.device_count())
 device = torch.device(args.device)
 dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
 
@@ -82,51 +79,20 @@ def batch(step):
     return x.to(device, dtype), y.to(device, dtype)
 
 
-def as_array(tensor):
-    """A NumPy or CuPy array sharing ``tensor``'s memory."""
-    if tensor.is_cuda:
-        return cupy.from_dlpack(tensor)
-    if tensor.dtype == torch.bfloat16:  # NumPy knows bf16 only through ml_dtypes
-        import ml_dtypes
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-def as_tensor(array):
-    """A torch tensor sharing ``array``'s memory (DLPack for CuPy)."""
-    if not isinstance(array, np.ndarray):
-        return torch.from_dlpack(array)
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
 def train_zero1():
     model = make_model()
-    named = dict(model.named_parameters())
-    opt = ZeroAdamW({k: as_array(p.detach()) for k, p in named.items()}, comm, lr=args.lr,
-                    weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_NORM, param_dtype=args.dtype)
-    for name, p in named.items():  # from here on the model reads and writes the flat buffers
-        p.data = as_tensor(opt.params[name])
-        p.grad = as_tensor(opt.grads[name])
-    pointers = {k: (p.data_ptr(), p.grad.data_ptr()) for k, p in named.items()}
-    if args.overlap:
-        # Each parameter's gradient is final once autograd has accumulated it: its bucket's
-        # reduction can start while backward goes on through the earlier layers.
-        for name, p in named.items():
-            p.register_post_accumulate_grad_hook(lambda _, name=name: opt.grads_ready([name]))
-        # The all-gather of step(wait=False) completes only when the next forward needs it.
-        model.register_forward_pre_hook(lambda *_: opt.wait())
+    # From here on every parameter and its .grad are views of the optimizer's flat buffers;
+    # overlap: reductions start from autograd hooks, the all-gather completes before forward.
+    opt = ZeroOptimizer(model, "adamw", comm, lr=args.lr, weight_decay=WEIGHT_DECAY,
+                        max_grad_norm=MAX_NORM, param_dtype=args.dtype, overlap=args.overlap)
     losses = []
     for step in range(args.steps):
         x, y = batch(step)
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
-        loss.backward()                      # accumulates into opt.grads, in place
-        opt.step(wait=not args.overlap)      # averages over ranks; leaves the grads zeroed
+        loss.backward()                      # accumulates into the flat gradient buffer
+        opt.step()                           # averages over ranks; leaves the grads zeroed
         losses.append(comm.allreduce(loss.item()) / size)
         log(step, losses[-1])
-    if any((p.data_ptr(), p.grad.data_ptr()) != pointers[k] for k, p in named.items()):
-        raise RuntimeError("a parameter or its .grad stopped being a view of the flat buffers")
     return losses
 
 

@@ -46,13 +46,16 @@ def test_docstring_opens_with_launch_command():
 
 
 def test_float32_matches_ddp_and_plots(tmp_path):
+    """zero1_mpi.torch.ZeroOptimizer and DDP + torch.optim.AdamW, both driven by the same torch
+    LR scheduler (warm-up, then cosine): the same losses step by step."""
     plot = tmp_path / "loss.png"
-    _, out = run("--dtype", "float32", "--steps", "16",
+    schedule = ("--schedule", "cosine", "--warmup", "4")
+    _, out = run("--dtype", "float32", "--steps", "16", *schedule,
                  *(("--plot", str(plot)) if HAVE_MATPLOTLIB else ()))
     assert "world_size=2 dtype=float32 " in out and "optimizer=zero1_mpi" in out, out
-    assert "tokens/s" in out, out
+    assert "schedule=cosine" in out and "tokens/s" in out, out
     ours = losses(out)
-    _, out = run("--dtype", "float32", "--steps", "16", "--reference", "ddp")
+    _, out = run("--dtype", "float32", "--steps", "16", *schedule, "--reference", "ddp")
     assert "optimizer=DDP + torch.optim.AdamW" in out, out
     ddp = losses(out)
     assert len(ours) == len(ddp) == 16

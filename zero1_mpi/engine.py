@@ -157,11 +157,13 @@ class ShardedOptimizer:
                 self.buckets.discard()
         self._grads.fill(0)
 
-    def step(self, wait: bool = True) -> StepInfo:
+    def step(self, wait: bool = True, *, problem: str | None = None) -> StepInfo:
         """Average the gradients over ranks, update the owned shard, gather the parameters.
 
         With ``wait=False`` the all-gathers are left in flight until the parameters are next
-        read (see ``wait()``). Must be called on all ranks. Consumes the gradients: the
+        read (see ``wait()``). ``problem``: a usage error the caller found on this rank (a
+        framework adapter's check), raised as ValueError on every rank with nothing updated,
+        agreed in the step's one Allreduce. Must be called on all ranks. Consumes the gradients: the
         buffer is zero afterwards, ready for the next accumulation. When the gradients
         overflow (inf/nan on any rank), nothing is updated on any rank: with dynamic loss
         scaling the scale backs off and the step reports ``skipped=True``; at the minimum
@@ -171,6 +173,7 @@ class ShardedOptimizer:
         clock = time.perf_counter
         started = clock()
         group_error, options = self._check_param_groups()
+        group_error = problem or group_error
         with self.comm.abort_on_error("in step() while reducing the gradients"):
             reduced = self.buckets.reduce_all()
             reduced_at = clock()

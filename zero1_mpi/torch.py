@@ -1,0 +1,402 @@
+"""PyTorch binding: a ``torch.optim.Optimizer`` whose parameters live in zero1_mpi's buffers.
+
+``ZeroOptimizer(model, rule, **options)`` builds the sharded optimizer over a module's (or named)
+parameters and rebinds every parameter's ``.data`` and ``.grad`` as views of its flat buffers:
+autograd accumulates into the gradient buffer and ``step()`` writes the parameters the model
+reads, with no copies. LR schedulers drive it through ``param_groups``. Imported only by torch
+users: ``import zero1_mpi`` does not import torch. Construction and ``step()`` must be called
+on all ranks; moving the model or replacing a parameter after binding is an error at the next
+step on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .engine import ShardedOptimizer
+
+__all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
+
+#: The attribute naming a bound parameter's optimizer (a weak reference): binding a parameter
+#: to two optimizers would silently split its updates.
+OWNER = "_zero1_mpi_owner"
+
+STATE_DICT_HELP = ("a sharded optimizer has no single state_dict: each rank holds 1/N of it. "
+                   "Use opt.save(directory) / opt.load(directory) (sharded, loads at any world "
+                   "size; all ranks), or opt.save_consolidated(file) / opt.load_consolidated(file)"
+                   " (the full fp32 state by parameter name in one safetensors file; all ranks)")
+
+
+def as_array(tensor):
+    """A NumPy (CPU; bfloat16 through ``ml_dtypes``) or CuPy (CUDA, DLPack) array sharing
+    ``tensor``'s memory."""
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        import cupy
+        return cupy.from_dlpack(tensor)
+    if tensor.dtype == torch.bfloat16:  # NumPy knows bf16 only through ml_dtypes
+        import ml_dtypes
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def as_tensor(array):
+    """A torch tensor sharing the NumPy or CuPy ``array``'s memory (DLPack for CuPy)."""
+    if not isinstance(array, np.ndarray):
+        return torch.from_dlpack(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A zero1_mpi sharded optimizer as a ``torch.optim.Optimizer``.
+
+    Build it last, after the model is on its device and in its dtype: from then on every
+    parameter and its ``.grad`` are views of the flat buffers of ``opt.sharded`` (the core
+    ``ShardedOptimizer``). ``step()`` averages the gradients over the ranks, clips, updates
+    this rank's shard, gathers the parameters and zeroes the gradients (they are consumed:
+    read the norm from ``opt.last_step.grad_norm``). ``param_groups`` are torch's: an LR
+    scheduler's ``lr`` (or any rule option) set there is applied at the next step.
+
+    Args:
+        params: an ``nn.Module`` (its parameters that require grad, named as in
+            ``named_parameters()``); or named parameters (``{name: p}`` or ``(name, p)``
+            pairs); or param groups ``[{"params": {name: p}, "weight_decay": 0.0}, ...]``
+            (``zero1_mpi.decay_groups(dict(model.named_parameters()), wd)`` builds them;
+            with ``module=``, a group may list the tensors alone).
+        rule: the update rule: an optimizer class (``zero1_mpi.ZeroAdamW``, ``ZeroAdam``,
+            ``ZeroSGD``, ``ZeroLion``, ``ZeroLAMB`` or your own) or one of the names
+            ``"adamw"``, ``"adam"``, ``"sgd"``, ``"lion"``, ``"lamb"``.
+        comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None).
+        overlap: start each bucket's reduction from post-accumulate-grad hooks during
+            backward and leave the all-gather in flight until the module's next forward
+            (needs the module). Accumulating over micro-batches, run all but the last
+            backward inside ``with opt.no_sync():``.
+        module: the module whose forward completes the all-gather (``overlap``), whose
+            parameters name the tensors of param groups, and which is checked for replaced
+            parameters at each step; defaults to ``params`` when that is a module.
+        **options: the rule's options (``lr``, ``betas``, ``weight_decay``, ...) and the
+            engine's (``max_grad_norm``, ``param_dtype``, ``loss_scale``, ``offload``, ...).
+            A ``param_dtype`` other than the model's changes the model's parameters to it.
+    """
+
+    def __init__(self, params, rule="adamw", comm=None, *, overlap: bool = False,
+                 module: torch.nn.Module | None = None, **options):
+        if isinstance(params, torch.nn.Module):
+            module = params if module is None else module
+        groups = _named_groups(params, module)
+        if overlap and module is None:
+            raise ValueError("overlap=True needs the module, whose forward completes the "
+                             "all-gather: pass the nn.Module itself, or module=model")
+        named = {name: p for group in groups for name, p in group["params"].items()}
+        _check_unbound(named)
+        cls = _optimizer_class(rule)
+        _use_device_of(named)
+        arrays = [{**group, "params": {name: as_array(p) for name, p in group["params"].items()}}
+                  for group in groups]
+        sharded = cls(arrays, comm, **options)
+        self.sharded, self.overlap, self.module, self._sync = sharded, overlap, module, True
+        #: The ``StepInfo`` of the last ``step()`` (None before the first).
+        self.last_step = None
+        self._binding = {}  # name -> (parameter, its data pointer, its .grad view)
+        for name, p in named.items():  # from here on the model reads and writes the buffers
+            p.data = as_tensor(sharded.params[name])
+            grad = as_tensor(sharded.grads[name])
+            p.grad = grad
+            self._binding[name] = (p, p.data_ptr(), grad, grad.data_ptr())
+            setattr(p, OWNER, weakref.ref(self))
+        self._hooks = []
+        ref = weakref.ref(self)
+        if overlap:
+            for name, p in named.items():
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, name=name: _call(ref, "_grad_ready", name)))
+            self._hooks.append(module.register_forward_pre_hook(
+                lambda *_: _call(ref, "wait")))
+            if hasattr(module, "register_state_dict_pre_hook"):
+                self._hooks.append(module.register_state_dict_pre_hook(
+                    lambda *_, **__: _call(ref, "wait")))
+        rule_options = sharded.rule.options
+        self._building = True
+        super().__init__(
+            [{"params": [named[name] for name in group["names"]],
+              **{key: group[key] for key in rule_options}} for group in sharded.param_groups],
+            _defaults(cls, rule_options, options))
+        self._building = False
+
+    # -- torch.optim.Optimizer ---------------------------------------------------------------
+
+    def step(self, closure=None):
+        """Average the gradients over ranks, clip, update the shard, gather the parameters and
+        zero the gradients; all ranks. Returns the closure's loss if one is given (computed
+        first, with grad enabled), else the ``StepInfo`` (also kept as ``last_step``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        problem = self._repair_grads() or self._binding_problem()
+        for group, target in zip(self.param_groups, self.sharded.param_groups):
+            for key in self.sharded.rule.options:
+                target[key] = group[key]
+        self.last_step = self.sharded.step(wait=not self.overlap, problem=problem)
+        return self.last_step if closure is None else loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffer (``step()`` leaves it zeroed already). ``set_to_none`` is
+        accepted and ignored: the buffer is the gradients' storage, so they stay tensors."""
+        self.sharded.zero_grad()
+        for p, _, grad, _ in self._binding.values():
+            p.grad = grad
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not getattr(self, "_building", False):
+            raise NotImplementedError("the flat buffers are laid out when ZeroOptimizer is "
+                                      "built: pass every param group to it then")
+        super().add_param_group(param_group)
+
+    def state_dict(self):
+        raise RuntimeError(f"ZeroOptimizer.state_dict(): {STATE_DICT_HELP}")
+
+    def load_state_dict(self, state_dict) -> None:
+        raise RuntimeError(f"ZeroOptimizer.load_state_dict(): {STATE_DICT_HELP}")
+
+    # -- zero1_mpi ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """With ``overlap``: backward passes inside only accumulate (no reduction starts), as
+        in ``DistributedDataParallel.no_sync``; the last micro-batch's backward, outside,
+        starts them."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def wait(self) -> None:
+        """Complete the all-gather that an overlapped ``step()`` left in flight (the module's
+        forward does it): call it before reading the parameters in any other way."""
+        self.sharded.wait()
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 without loss scaling)."""
+        return self.sharded.loss_scale
+
+    @property
+    def step_count(self) -> int:
+        return self.sharded.step_count
+
+    def save(self, path, keep: int | None = None):
+        """``ShardedOptimizer.save``: a sharded checkpoint under ``path``; all ranks."""
+        return self.sharded.save(path, keep)
+
+    def load(self, path):
+        """``ShardedOptimizer.load`` into the model's parameters, in place, and the saved
+        rule options into ``param_groups``; all ranks."""
+        loaded = self.sharded.load(path)
+        self._pull_options()
+        return loaded
+
+    def save_consolidated(self, path):
+        """``ShardedOptimizer.save_consolidated``: one file of the full fp32 state."""
+        return self.sharded.save_consolidated(path)
+
+    def load_consolidated(self, path):
+        """``ShardedOptimizer.load_consolidated``, and the saved rule options into
+        ``param_groups``; all ranks."""
+        loaded = self.sharded.load_consolidated(path)
+        self._pull_options()
+        return loaded
+
+    def memory_report(self):
+        """``ShardedOptimizer.memory_report``: the bytes this rank holds, by category."""
+        return self.sharded.memory_report()
+
+    def unbind(self) -> None:
+        """Give the parameters back: each becomes an independent tensor holding its current
+        values (``.grad`` None), the hooks are removed, and this optimizer can no longer
+        step. Another ``ZeroOptimizer`` may then bind them."""
+        self.wait()
+        for handle in self._hooks:
+            handle.remove()
+        for p, _, _, _ in self._binding.values():
+            p.data = p.data.clone()
+            p.grad = None
+            delattr(p, OWNER)
+        self._hooks, self._binding = [], {}
+        self.sharded = None
+
+    # -- the binding -------------------------------------------------------------------------
+
+    def _pull_options(self) -> None:
+        for group, source in zip(self.param_groups, self.sharded.param_groups):
+            group.update({key: source[key] for key in self.sharded.rule.options})
+
+    def _grad_ready(self, name: str) -> None:
+        """The post-accumulate-grad hook (``overlap``): the gradient of ``name`` is final for
+        this backward; start its bucket's reduction unless inside ``no_sync()``."""
+        if not self._sync:
+            return
+        p, _, grad, _ = self._binding[name]
+        if p.grad is not grad:
+            self._repair_grad(name)
+        try:
+            self.sharded.grads_ready([name])
+        except ValueError as exc:
+            raise ValueError(f"{exc}. With overlap=True, run every backward before the last "
+                             "of a step inside `with opt.no_sync():`") from None
+
+    def _repair_grads(self) -> str | None:
+        for name, (p, _, grad, _) in self._binding.items():
+            if p.grad is not grad:
+                problem = self._repair_grad(name)
+                if problem:
+                    return problem
+        return None
+
+    def _repair_grad(self, name: str) -> str | None:
+        """Put a ``.grad`` that was set to None (``model.zero_grad()``) or replaced back into
+        the buffer: its values (zeros for None) go into the view, which becomes ``.grad``."""
+        p, _, grad, _ = self._binding[name]
+        if p.grad is None:
+            grad.zero_()
+        elif p.grad.shape != grad.shape or p.grad.dtype != grad.dtype or \
+                p.grad.device != grad.device:
+            return (f"the .grad of parameter {name!r} was replaced by a {p.grad.dtype} tensor "
+                    f"of shape {tuple(p.grad.shape)} on {p.grad.device}, unlike the parameter "
+                    f"({grad.dtype}, {tuple(grad.shape)}, {grad.device}): leave .grad to "
+                    "autograd and opt.zero_grad()")
+        else:
+            grad.copy_(p.grad)
+        p.grad = grad
+        return None
+
+    def _binding_problem(self) -> str | None:
+        """A message if a bound parameter no longer lives in the flat buffers."""
+        for name, (p, data_ptr, grad, grad_ptr) in self._binding.items():
+            if p.data_ptr() != data_ptr or p.dtype != grad.dtype or p.device != grad.device \
+                    or grad.data_ptr() != grad_ptr:
+                return (f"parameter {name!r} no longer lives in the optimizer's buffers (it is "
+                        f"now {p.dtype} on {p.device}: the module was moved with .to(), "
+                        ".cuda(), .half(), ..., or p.data was replaced, after ZeroOptimizer "
+                        "bound it), so training would update a copy: move the model first, "
+                        "then build the optimizer (opt.unbind() and a new ZeroOptimizer to "
+                        "change device or dtype later)")
+        if self.module is not None:
+            current = dict(self.module.named_parameters())
+            for name, (p, _, _, _) in self._binding.items():
+                if name in current and current[name] is not p:
+                    return (f"parameter {name!r} of the module was replaced by a new tensor "
+                            "after ZeroOptimizer bound the old one, which it would go on "
+                            "training: assign values in place (with torch.no_grad(): "
+                            "p.copy_(...)) or build the optimizer after replacing it")
+        return None
+
+
+def _call(ref, method: str, *args):
+    """Call ``method`` of the optimizer ``ref`` refers to, if it is alive and bound (hooks hold
+    no strong reference: a dropped optimizer does not live on in its model)."""
+    opt = ref()
+    if opt is not None and opt.sharded is not None:
+        getattr(opt, method)(*args)
+
+
+def _named_groups(params, module) -> list[dict]:
+    """``params`` as a list of groups ``{"params": {name: parameter}, <options>}``."""
+    if isinstance(params, torch.nn.Module):
+        return [{"params": {n: p for n, p in params.named_parameters() if p.requires_grad}}]
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params is a single tensor: pass the module, {name: tensor}, or "
+                        "param groups")
+    if isinstance(params, Mapping):
+        raw = [{"params": params}]
+    else:
+        params = list(params)
+        raw = params if params and all(isinstance(g, Mapping) for g in params) \
+            else [{"params": params}]
+    names = None if module is None else {id(p): n for n, p in module.named_parameters()}
+    groups, seen = [], {}
+    for index, group in enumerate(raw):
+        members = group.get("params")
+        if isinstance(members, Mapping):
+            members = list(members.items())
+        elif isinstance(members, torch.Tensor) or members is None:
+            raise TypeError(f"param group {index}: 'params' must hold named parameters "
+                            "({name: p} or (name, p) pairs), or tensors with module=")
+        named = {}
+        for item in members:
+            if isinstance(item, torch.Tensor):
+                if names is None or id(item) not in names:
+                    raise TypeError(f"param group {index} lists a tensor without its name: "
+                                    "pass {name: p} (e.g. dict(model.named_parameters())), or "
+                                    "module=model to name it" + ("" if names is None else
+                                                                 " (it is not a parameter "
+                                                                 "of that module)"))
+                item = (names[id(item)], item)
+            name, p = item
+            if not isinstance(p, torch.Tensor) or not p.is_leaf:
+                raise TypeError(f"parameter {name!r} must be a leaf tensor (an nn.Parameter), "
+                                f"got {type(p).__name__}")
+            if not p.requires_grad:
+                raise ValueError(f"parameter {name!r} does not require grad: leave it out, or "
+                                 "set requires_grad=True")
+            if id(p) in seen:
+                raise ValueError(f"the same tensor is given as {seen[id(p)]!r} and {name!r}: "
+                                 "pass a tied parameter once")
+            seen[id(p)] = name
+            named[name] = p
+        groups.append({**group, "params": named})
+    return groups
+
+
+def _check_unbound(named: dict) -> None:
+    for name, p in named.items():
+        owner = getattr(p, OWNER, lambda: None)()
+        if owner is not None and owner.sharded is not None:
+            raise ValueError(f"parameter {name!r} is already bound to another ZeroOptimizer: "
+                             "call its unbind() (or drop it) first")
+
+
+def _optimizer_class(rule) -> type:
+    """The optimizer class ``rule`` names (a class, or a registry name / ``"adamw"``)."""
+    if isinstance(rule, str):
+        from .rules import registry
+        from .rules.adam import ZeroAdamW
+        if rule.lower() == "adamw":
+            return ZeroAdamW
+        return registry.get(rule.lower()).optimizer
+    if isinstance(rule, type) and issubclass(rule, ShardedOptimizer) \
+            and rule is not ShardedOptimizer:
+        return rule
+    raise TypeError(f"rule must be an optimizer class such as zero1_mpi.ZeroAdamW or a name "
+                    f"('adamw', 'adam', 'sgd', 'lion', 'lamb'), got {rule!r}")
+
+
+def _use_device_of(named: dict) -> None:
+    """Check that the parameters share one device; make a CUDA one CuPy's current device."""
+    devices = {p.device for p in named.values()}
+    if len(devices) > 1:
+        raise ValueError(f"the parameters are on several devices {sorted(map(str, devices))}: "
+                         "move the model to one device before building ZeroOptimizer")
+    (device,) = devices
+    if device.type == "cuda":
+        import cupy
+        cupy.cuda.Device(device.index).use()
+    elif device.type != "cpu":
+        raise ValueError(f"parameters on {device}: zero1_mpi keeps them on the CPU (NumPy) or "
+                         "a CUDA device (CuPy)")
+
+
+def _defaults(cls, keys, options: dict) -> dict:
+    """The rule options each new group would take: the given ones, else the class's."""
+    signature = inspect.signature(cls).parameters
+    return {key: options[key] if key in options else signature[key].default for key in keys
+            if key in options or key in signature}
