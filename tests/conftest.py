@@ -1,5 +1,11 @@
-"""Session set-up shared by the tests."""
+"""Session set-up shared by the tests, and the ``mpi_independent`` marker.
 
+A test marked ``mpi_independent`` cannot depend on which MPI runs it: one process, or an
+example's numerics that the multi-rank cases already check under every MPI. CI runs the suite
+once per MPI and these in its first pass only: ``ZERO1_SKIP_MPI_INDEPENDENT=1`` skips them.
+"""
+
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +44,18 @@ def warm_numba_cache():
     starts with a cold cache). In a process of its own: where Numba is missing or fails, the
     cases run as they would have anyway."""
     subprocess.run([sys.executable, "-c", WARM_UP], cwd=ROOT, capture_output=True, timeout=300)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mpi_independent: the same under every MPI; CI runs it "
+                            "in its first pass only (ZERO1_SKIP_MPI_INDEPENDENT=1 skips it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("ZERO1_SKIP_MPI_INDEPENDENT") != "1":
+        return
+    skip = pytest.mark.skip(reason="MPI-independent: run in another MPI's pass "
+                                   "(ZERO1_SKIP_MPI_INDEPENDENT=1)")
+    for item in items:
+        if item.get_closest_marker("mpi_independent"):
+            item.add_marker(skip)

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = {"adam": "torch_fused_adamw", "sgd": "torch_sgd_foreach", "lion": "zero1_numpy",
               "lamb": "zero1_numpy"}

@@ -12,6 +12,8 @@ from zero1_mpi import Communicator, build_layout
 from zero1_mpi.buckets import BucketPipeline
 from zero1_mpi.reductions import NumpyReductions
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 # Three buckets of 64: "a" in the first, "b" across the first two, "c" in the last.
 SHAPES = {"a": (40,), "b": (60,), "c": (50,)}
 

@@ -29,6 +29,7 @@ def run_example(n: int, *args: str, env: dict | None = None, timeout: float = 12
     return result.returncode, result.stdout + result.stderr
 
 
+@pytest.mark.mpi_independent
 @pytest.mark.parametrize("n, dtype", [(1, "float32"), (2, "float32"), (4, "float32"),
                                       (2, "bfloat16"), (4, "float16")])
 def test_loss_falls(n, dtype):
@@ -43,6 +44,7 @@ def test_loss_falls(n, dtype):
     assert last < 0.5 * first, out
 
 
+@pytest.mark.mpi_independent
 def test_docstring_opens_with_launch_command():
     doc = ast.get_docstring(ast.parse(EXAMPLE.read_text(encoding="utf-8")))
     assert doc.splitlines()[0].strip() == LAUNCH
@@ -88,6 +90,7 @@ def test_batch_must_divide_among_the_ranks():
     assert rc != 0 and "--batch 256 is not divisible by the 3 ranks" in out, out
 
 
+@pytest.mark.mpi_independent
 def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
     png = tmp_path / "loss.png"
     rc, out = run_example(2, "--steps", "10", "--plot", str(png))
@@ -100,6 +103,7 @@ def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out, out
 
 
+@pytest.mark.mpi_independent
 def test_plot_without_matplotlib_writes_nothing_and_says_so(tmp_path, monkeypatch, capsys):
     import sys
     monkeypatch.syspath_prepend(str(ROOT / "examples"))

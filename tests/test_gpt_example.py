@@ -40,11 +40,13 @@ def losses(out: str) -> list[float]:
     return json.loads(line[len("losses: "):])
 
 
+@pytest.mark.mpi_independent
 def test_docstring_opens_with_launch_command():
     doc = ast.get_docstring(ast.parse((ROOT / EXAMPLE).read_text(encoding="utf-8")))
     assert doc.splitlines()[0].strip() == LAUNCH
 
 
+@pytest.mark.mpi_independent
 def test_float32_matches_ddp_and_plots(tmp_path):
     """zero1_mpi.torch.ZeroOptimizer and DDP + torch.optim.AdamW, both driven by the same torch
     LR scheduler (warm-up, then cosine): the same losses step by step."""
@@ -85,6 +87,7 @@ def test_killed_bfloat16_run_resumes_where_it_was(tmp_path):
     assert losses(out) == uninterrupted[5:]
 
 
+@pytest.mark.mpi_independent
 def test_plot_without_matplotlib_says_so_before_training(tmp_path):
     hide = tmp_path / "hide" / "matplotlib"  # an import of matplotlib that fails, as if missing
     hide.mkdir(parents=True)
@@ -97,6 +100,7 @@ def test_plot_without_matplotlib_says_so_before_training(tmp_path):
     assert "Traceback" not in out, out
 
 
+@pytest.mark.mpi_independent
 def test_fused_reference_trains_in_one_process_and_matches_in_float32():
     """``--reference fused``: torch.optim.AdamW(fused=True) in one process, the device
     script's tokens/s yardstick; in fp32 on one rank its losses are zero1_mpi's."""

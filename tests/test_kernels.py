@@ -12,6 +12,8 @@ from zero1_mpi.backend import resolve_dtype
 from zero1_mpi.reductions import NumbaReductions, NumpyReductions
 from zero1_mpi.rules.adam import AdamScalars, NumbaAdam, NumpyAdam
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 SIZE = 1000
 
 

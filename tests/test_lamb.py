@@ -13,6 +13,8 @@ from zero1_mpi.backend import resolve_dtype
 from zero1_mpi.reductions import NUMPY_CHUNK
 from zero1_mpi.rules.lamb import Lamb, NumbaLamb, NumpyLamb
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 OPTIONS = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.01}
 SIZES = (NUMPY_CHUNK + 1_000, 7, 1)  # one tensor crosses a chunk boundary
 

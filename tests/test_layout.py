@@ -6,6 +6,8 @@ import pytest
 
 from zero1_mpi.layout import build_layout
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 AWKWARD = {"scalar": (), "empty": (0, 3), "one": (1,), "vec": (7,), "mat": (5, 13)}
 
 

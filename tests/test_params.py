@@ -7,6 +7,8 @@ from zero1_mpi import decay_groups
 from zero1_mpi.params import normalize_groups
 from zero1_mpi.rules.adam import Adam
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 ADAM = Adam(decoupled=False)
 

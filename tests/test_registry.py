@@ -3,8 +3,8 @@
 For every registered rule and variant: its Numba twin gives its NumPy twin's bits on every dtype
 (several chunks, one- or two-phase), and on the engine N ranks equal one process fed the
 averaged gradients, with a checkpoint of N ranks loaded on one (tests/cases/registry_rules.py).
-And adding the README's example rule takes one new file and one registry line: done in a copy
-of the package, the memory table, the benchmark and these tests pick it up.
+And adding the example rule of docs/update-rules.md takes one new file and one registry line:
+done in a copy of the package, the memory table, the benchmark and these tests pick it up.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import pytest
 from mpirun import run_mpi
 from zero1_mpi.backend import PARAM_DTYPES
 from zero1_mpi.rules.registry import builtin_rules
+
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = [(name, index) for name, entry in builtin_rules().items()
@@ -69,15 +71,16 @@ def test_every_rule_on_n_ranks_equals_one_process(tmp_path, n):
 
 
 def readme_rule() -> tuple[str, str]:
-    """The README's example: the rule file, and the registry line."""
-    section = (ROOT / "README.md").read_text().split("### Adding an update rule", 1)[1]
+    """The example of docs/update-rules.md: the rule file, and the registry line."""
+    section = (ROOT / "docs" / "update-rules.md").read_text().split("## Adding an update rule",
+                                                                    1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     line = re.search(r"```\n(NAMES = .*?)\n```", section, re.S).group(1)
     return code, line
 
 
 def copy_with_readme_rule(tmp_path: Path) -> Path:
-    """A copy of the package, tools and tests with the README's rule added as the README says:
+    """A copy of the package, tools and tests with the docs' rule added as the docs say:
     ``zero1_mpi/rules/sign_momentum.py`` and its registry line; returns the copy's root."""
     root = tmp_path / "copy"
     for part in ("zero1_mpi", "tools", "tests"):

@@ -6,6 +6,8 @@ import pytest
 
 from zero1_mpi import LossScaler
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 
 def test_dynamic_scale_backs_off_and_grows():
     s = LossScaler.dynamic_scaler(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5,

@@ -21,6 +21,8 @@ from zero1_mpi import ShardedOptimizer, ZeroAdam, ZeroAdamW, ZeroLAMB, ZeroLion,
 from zero1_mpi.rules import Rule, missing_members
 from zero1_mpi.rules.registry import NAMES, builtin_rules
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 PACKAGE = Path(zero1_mpi.__file__).resolve().parent
 
 

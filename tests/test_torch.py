@@ -11,6 +11,8 @@ import pytest
 
 from mpirun import run_mpi
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 torch = pytest.importorskip("torch")
 
 

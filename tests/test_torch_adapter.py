@@ -11,6 +11,8 @@ import sys
 import pytest
 from mpirun import ROOT, run_mpi
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 torch = pytest.importorskip("torch")
 from mpi4py import MPI
 
