@@ -22,12 +22,13 @@ launch it again, with the same or another ``-n``, and it goes on where the check
 ``--dtype float16/bfloat16`` the parameters and gradients are 16-bit: the math below runs in
 float32 on an fp32 copy of the params and the grads are rounded into ``opt.grads``.
 The last line, ``final: first_loss=... last_loss=...``, is meant to be checked by a script.
+Progress (``zero1_mpi.progress``): a tqdm bar when tqdm is installed and stdout is a terminal,
+else a line every ``--log-every`` steps (always under mpiexec; ``ZERO1_PROGRESS=plain`` forces it).
 """
 
 import argparse
 import os
 import signal
-import time
 from pathlib import Path
 
 # One BLAS thread per rank unless the user chose otherwise: N ranks each starting a pool of
@@ -39,6 +40,7 @@ import numpy as np  # noqa: E402 (after the thread settings)
 from mpi4py import MPI  # noqa: E402
 
 from zero1_mpi import ZeroAdamW  # noqa: E402
+from zero1_mpi.progress import Progress  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=200)
@@ -170,7 +172,11 @@ def sync():
         xp.cuda.get_current_stream().synchronize()
 
 
-losses, skipped, last_logged, t0 = [], 0, start - 1, time.perf_counter()
+losses, skipped = [], 0
+# On rank 0: step, loss, ms/step, examples/s and the ETA, at the first step, every --log-every
+# steps and the last (a tqdm bar instead in a terminal).
+progress = Progress(args.steps, rank, start=start, tokens_per_step=args.batch, unit="examples",
+                    every=args.log_every)
 for step in range(start, args.steps):
     if step == args.crash_at_step and rank == size - 1:
         print(f"crash: rank {rank} kills itself at step {step}", flush=True)
@@ -187,12 +193,9 @@ for step in range(start, args.steps):
     losses.append(comm.allreduce(float(loss)) / size)   # mean over ranks, for the log
     if args.checkpoint and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
         opt.save(args.checkpoint, keep=2)
-    if (step + 1) % args.log_every == 0 or step == start or step == args.steps - 1:
-        sync()
-        t1 = time.perf_counter()
-        ms = (t1 - t0) * 1e3 / (step - last_logged)
-        print0(f"step {step:5d} | loss {losses[-1]:.4f} | {ms:7.2f} ms/step")
-        last_logged, t0 = step, t1
+    sync()                                       # the step's time is the device's too
+    progress.update(step, losses[-1])
+progress.close()
 
 report = opt.memory_report()
 most = comm.reduce(report.total, op=MPI.MAX)     # on rank 0; None elsewhere

@@ -9,7 +9,8 @@ sgd 8, or 4 with ``--momentum 0``; lion 8; any rule of ``zero1_mpi.rules.registr
 N in ``--gpus`` (default 1,2,4; ``--params`` default 10M) and prints, for the rank holding the
 most (ties: the most padding + scratch), its measured bytes next to the stage-1 formula. Summed
 over ranks, ``measured - formula`` must equal ``padding + scratch``: the "balanced" column says
-so.
+so. The table alone, with more options (dtype, offload), is ``python -m zero1_mpi.memory`` (the
+``zero1-memory`` console script), whose code this tool shares.
 
     python tools/memory_table.py --params 1.3e9 --gpus 1,2,4
     python tools/memory_table.py --optimizer sgd --momentum 0
@@ -30,7 +31,8 @@ try:
 except ImportError:
     sys.path.insert(0, str(ROOT))
 from zero1_mpi.memory import MemoryReport, format_param_count, format_table, parse_param_count
-from zero1_mpi.rules.registry import builtin_rules, rule_bytes_per_param
+from zero1_mpi.memory.__main__ import DEFAULT_MOMENTUM, describe, table_options
+from zero1_mpi.rules.registry import builtin_rules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import run_ranks  # noqa: E402
@@ -38,7 +40,6 @@ from launch import run_ranks  # noqa: E402
 TABLE_PARAMS, TABLE_GPUS = 7 * 10**9, [1, 4, 8, 16, 32, 64, 128]
 MEASURE_PARAMS, MEASURE_GPUS = 10 * 10**6, [1, 2, 4]
 DTYPES = ("float16", "bfloat16", "float32")
-DEFAULT_MOMENTUM = 0.9
 
 
 def tensor_shapes(psi: int) -> list[tuple[int, ...]]:
@@ -55,12 +56,6 @@ def tensor_shapes(psi: int) -> list[tuple[int, ...]]:
     if left:
         shapes.append((left,))
     return shapes
-
-
-def describe(optimizer: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> str:
-    """``ZeroAdam``, ``ZeroSGD (momentum 0.9)``, ...: what --measure runs."""
-    name = optimizer_class(optimizer).__name__
-    return f"{name} (momentum {momentum:g})" if optimizer == "sgd" else name
 
 
 def optimizer_class(optimizer: str):
@@ -143,15 +138,6 @@ def format_measured(psi: int, dtype: str, results: dict[int, list[MemoryReport]]
     return "\n".join(lines)
 
 
-def table_k(optimizer: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> dict:
-    """``format_table``'s ``k`` and ``label`` for a rule (none for Adam: the chapter's table)."""
-    if optimizer == "adam":
-        return {}
-    k = rule_bytes_per_param(optimizer, "float16", momentum != 0)
-    return {"k": k, "label": f"{describe(optimizer, momentum)}, K = {k} (stage 1: "
-                             f"2Ψ+2Ψ+{k}Ψ/N)"}
-
-
 def _gpu_list(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",")]
@@ -228,7 +214,7 @@ def main(argv=None) -> int:
         params = TABLE_PARAMS if args.params is None else args.params
         print(format_table(params, TABLE_GPUS if args.gpus is None else args.gpus,
                            shard_group=args.shard_group,
-                           **table_k(args.optimizer, args.momentum)))
+                           **table_options(args.optimizer, momentum=args.momentum)))
         return 0
     psi = MEASURE_PARAMS if args.params is None else args.params
     if psi < 1:

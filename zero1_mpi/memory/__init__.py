@@ -75,14 +75,26 @@ def bytes_per_param(state_names, param_dtype: str = "float16") -> int:
     return master + 4 * len(tuple(state_names))
 
 
-def stage_terms(k=12) -> dict:
-    """``STAGES`` for a rule whose sharded part is ``k`` bytes per parameter (16-bit params)."""
+def _replicated(param_dtype: str) -> tuple[int, int]:
+    """The bytes per parameter of the params and of the grads for ``param_dtype``."""
+    if param_dtype in MIXED_DTYPES:
+        return 2, 2
+    if param_dtype in FP32_DTYPES:
+        return 4, 4
+    raise ValueError(f"no ZeRO formula for param_dtype={param_dtype!r}; known: "
+                     f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}")
+
+
+def stage_terms(k=12, param_dtype: str = "float16") -> dict:
+    """``STAGES`` for a rule whose sharded part is ``k`` bytes per parameter, with params and
+    grads of ``param_dtype`` (4 bytes each for float32, whose ``k`` has no master: Adam's 8)."""
     k = _check_k(k)
-    if k == 12:
+    param, grad = _replicated(param_dtype)
+    if k == 12 and param == 2:
         return STAGES
     sharded = (4,) * int(k // 4) if k % 4 == 0 else (k,)
-    return {"Baseline": ((2, 2) + sharded, ()), "Stage 1": ((2, 2), sharded),
-            "Stage 2": ((2,), (2,) + sharded), "Stage 3": ((), (2, 2) + sharded)}
+    return {"Baseline": ((param, grad) + sharded, ()), "Stage 1": ((param, grad), sharded),
+            "Stage 2": ((param,), (grad,) + sharded), "Stage 3": ((), (param, grad) + sharded)}
 
 
 def _per_rank(terms, psi, n, unit=1):
@@ -150,33 +162,46 @@ def parse_param_count(text: str) -> int:
 
 
 def format_table(params, gpu_counts, k=12, label: str | None = None,
-                 shard_group: int | None = None) -> str:
+                 shard_group: int | None = None, param_dtype: str = "float16",
+                 offload: bool = False) -> str:
     """The seed's per-GPU memory table (GB = 1e9 bytes) for ``params`` and each GPU count;
     ``k``: bytes per parameter of the optimizer's sharded part (``label`` names it in the
     title; Adam's 12 and no label give the seed's table). ``shard_group``: hierarchical
     sharding, the sharded terms divided among groups of that many GPUs (replicated across the
-    groups) instead of all N; rows whose N it does not divide are left out."""
+    groups) instead of all N; rows whose N it does not divide are left out. ``param_dtype``:
+    float32 params and grads take 4 bytes each (``k`` then has no master: Adam's 8).
+    ``offload``: stage 1 keeps its sharded part on the host (fp32 params then have a master
+    there: k + 4); two more columns split stage 1 into device and host bytes."""
     counts = list(gpu_counts)
     for n in counts:
         _check(params, n)
     if shard_group is not None:
         _check(params, shard_group)
         counts = [n for n in counts if n % shard_group == 0]
-    terms = stage_terms(k)
+    terms = dict(stage_terms(k, param_dtype))
+    if offload and param_dtype in FP32_DTYPES:  # the host's fp32 master of fp32 params
+        terms["Stage 1"] = (terms["Stage 1"][0], terms["Stage 1"][1] + (4,))
     title = f"Per-GPU memory (GB) for a {format_param_count(params)} parameter model"
     extra = [label] if label else []
+    if param_dtype != "float16":
+        extra.append(f"{param_dtype} parameters")
+    if offload:
+        extra.append("stage 1 state offloaded to the host")
     if shard_group is not None:
         extra.append(f"sharded within groups of {shard_group} GPUs")
-    lines = [
-        title + "".join(f", {e}" for e in extra),
-        f"{'GPUs':>6}{'Baseline':>12}{'Stage 1':>11}{'Stage 2':>11}{'Stage 3':>11}",
-        "-" * 52,
-    ]
+    head = f"{'GPUs':>6}{'Baseline':>12}{'Stage 1':>11}{'Stage 2':>11}{'Stage 3':>11}"
+    lines = [title + "".join(f", {e}" for e in extra),
+             head + (f"{'S1 device':>11}{'S1 host':>11}" if offload else ""),
+             "-" * (74 if offload else 52)]
     for n in counts:
         ways = n if shard_group is None else shard_group
         gb = [_per_rank(terms[name], params, 1 if name == "Baseline" else ways, unit=1e9)
               for name in terms]
-        lines.append(f"{n:>6}{gb[0]:>11.1f}G{gb[1]:>10.1f}G{gb[2]:>10.1f}G{gb[3]:>10.1f}G")
+        if offload:
+            replicated, sharded = terms["Stage 1"]
+            gb += [_per_rank((replicated, ()), params, ways, unit=1e9),
+                   _per_rank(((), sharded), params, ways, unit=1e9)]
+        lines.append(f"{n:>6}{gb[0]:>11.1f}G" + "".join(f"{x:>10.1f}G" for x in gb[1:]))
     return "\n".join(lines)
 
 
