@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from zero1_mpi import decay_groups
+from zero1_mpi.progress import Progress
 from zero1_mpi.torch import ZeroOptimizer
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -222,15 +223,17 @@ def loss_of(model, x, y):
 
 
 def setup_zero1(model):
-    """ZeroAdamW over the model's parameters (a torch.optim.Optimizer); returns it twice, as
-    the optimizer and as the update step."""
+    """ZeroAdamW over the model's parameters (a torch.optim.Optimizer); returns it and the
+    update step."""
     # The flat buffer holds the groups in order and its buckets are reduced last to first, the
     # order of backward: the no-decay group (with the token embedding, whose gradient is final
     # only at the very end of backward, after the head's and the lookup's are summed) goes first.
     groups = decay_groups(dict(model.named_parameters()), args.weight_decay, no_decay)[::-1]
     opt = ZeroOptimizer(groups, "adamw", comm, module=model, lr=args.lr, betas=(0.9, 0.95),
                         max_grad_norm=MAX_NORM, param_dtype=args.dtype, overlap=True)
-    return opt, opt.step  # step(): averages over ranks, clips, updates; zeroes the grads
+    # step(): averages over ranks, clips, updates, zeroes the grads. (Looked up at each call:
+    # an LR scheduler wraps opt.step.)
+    return opt, lambda: opt.step()
 
 
 # ---- the reference: DistributedDataParallel + torch.optim.AdamW -----------------------------
@@ -308,6 +311,10 @@ for group in opt.param_groups:
 scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(start + k))
 
 losses, tokens_per_s = [], []
+# Rank 0: step, loss, ms/step, tokens/s and ETA every --log-every steps (a tqdm bar instead
+# where tqdm is installed and stdout is a terminal; ZERO1_PROGRESS=plain forces the lines).
+progress = Progress(args.steps, rank, start=start, tokens_per_step=tokens_per_step,
+                    every=args.log_every)
 for step in range(start, args.steps):
     if step == args.crash_at_step and rank == size - 1:
         print(f"crash: rank {rank} kills itself at step {step}", flush=True)
@@ -322,10 +329,8 @@ for step in range(start, args.steps):
     tokens_per_s.append(tokens_per_step / (time.perf_counter() - t0))
     if args.checkpoint and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
         opt.save(args.checkpoint, keep=2)
-    if step % args.log_every == 0 or step == args.steps - 1:
-        print0(f"step {step:5d} | loss {losses[-1]:.4f} | "
-               f"{1e3 * tokens_per_step / tokens_per_s[-1]:7.1f} ms/step | "
-               f"{tokens_per_s[-1]:8.0f} tokens/s")
+    progress.update(step, losses[-1], lr=scheduler.get_last_lr()[0])
+progress.close()
 
 if args.reference == "ddp":
     torch.distributed.destroy_process_group()

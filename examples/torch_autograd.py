@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 from mpi4py import MPI
 
+from zero1_mpi.progress import Progress
 from zero1_mpi.torch import ZeroOptimizer
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -126,13 +127,17 @@ def rendezvous_store(dist):
 
 
 def log(step, loss):
-    if step % args.log_every == 0 or step == args.steps - 1:
-        print0(f"step {step:4d} | loss {loss:.6f}")
+    progress.update(step, loss)
 
 
 print0(f"torch_autograd: world_size={size} dtype={args.dtype} device={args.device} "
        f"optimizer={'DDP + torch.optim.AdamW' if args.reference == 'ddp' else 'zero1_mpi'}")
+# Rank 0: step, loss, ms/step, examples/s and ETA every --log-every steps (a tqdm bar where
+# tqdm is installed and stdout is a terminal).
+progress = Progress(args.steps, rank, tokens_per_step=args.batch * size, unit="examples",
+                    every=args.log_every)
 losses = train_ddp() if args.reference == "ddp" else train_zero1()
+progress.close()
 if args.plot and rank == 0:
     from plotting import save_plot  # examples/plotting.py
     how = "DDP + AdamW" if args.reference == "ddp" else "zero1_mpi ZeroAdamW"

@@ -15,6 +15,8 @@ from zero1_mpi.memory import MemoryReport
 from zero1_mpi.memory.__main__ import main
 from zero1_mpi.rules.registry import rule_states
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 # The reference chapter's Out[7] (seed/zero-stage1-chapter.txt), character by character.
 SEED_TABLE = """\
 Per-GPU memory (GB) for a 7B parameter model

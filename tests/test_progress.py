@@ -15,6 +15,8 @@ from mpi4py import MPI
 import zero1_mpi.progress
 from zero1_mpi.progress import Progress
 
+pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+
 HAVE_TQDM = importlib.util.find_spec("tqdm") is not None
 needs_tqdm = pytest.mark.skipif(not HAVE_TQDM, reason="tqdm is not installed (optional)")
 
