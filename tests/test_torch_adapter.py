@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from mpirun import ROOT, run_mpi
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)

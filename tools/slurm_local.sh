@@ -12,7 +12,7 @@
 # The MPI comes from the wheel of that name in a virtual environment of its own under the work
 # directory (${ZERO1_SLURM_DIR:-/tmp/zero1-slurm}), or from the Python given as PYTHON if it
 # already has mpi4py. srun's PMI for each MPI is chosen in examples/slurm.sbatch; see the
-# README's Slurm section for what was tested.
+# docs/clusters.md (Slurm) for what was tested.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mpi=${1:-mpich}

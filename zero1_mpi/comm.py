@@ -8,7 +8,7 @@ collectives that one rank alone may fail, and ``collective_call`` for another li
 collective (NCCL's initialisation). Every method must be called on all ranks of the
 communicator, except ``send``/``recv`` and ``abort_on_error``. How device buffers travel
 (CUDA-aware or staged) and which started collectives are used is decided once per
-communicator and agreed across ranks; README "MPI libraries" and "GPUs" give the reasons.
+communicator and agreed across ranks; docs/clusters.md and docs/gpus.md give the reasons.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The README's complete rule file ("Adding an update rule"), run as written: N ranks against
-one process running the same rule on the averaged gradients (float64), in fp32 and bf16, with
-clipping; then a checkpoint saved on N ranks loads on one (rank 0, alone) and steps on as the
-N ranks do. The block is written to ``DIR/rank<r>/sign_momentum.py`` and imported.
+"""The complete rule file of docs/update-rules.md ("Adding an update rule"), run as written: N
+ranks against one process running the same rule on the averaged gradients (float64), in fp32
+and bf16, with clipping; then a checkpoint saved on N ranks loads on one (rank 0, alone) and
+steps on as the N ranks do. The block is written to ``DIR/rank<r>/sign_momentum.py`` and imported.
 
     mpiexec -n N python -m mpi4py tests/cases/readme_rule.py DIR
 """
@@ -18,8 +18,8 @@ from expect import check
 from reference import clipped, close_to_reference
 from zero1_mpi.backend import resolve_dtype
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-section = README.read_text().split("### Adding an update rule", 1)[1]
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "update-rules.md"
+section = PAGE.read_text().split("## Adding an update rule", 1)[1]
 code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 comm = MPI.COMM_WORLD
@@ -86,4 +86,4 @@ if __name__ == "__main__":
     for dtype_name in ("float32", "bfloat16"):
         run(dtype_name, Path(sys.argv[1]))
     if rank == 0:
-        print(f"OK the README's rule on {size} ranks")
+        print(f"OK the docs' rule on {size} ranks")

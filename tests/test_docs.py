@@ -1,0 +1,107 @@
+"""The documentation (docs/): the Sphinx site builds with warnings as errors, and the code
+blocks that can run on a CPU run as written.
+
+A fenced ``python`` block of a docs page runs when its first line says how: ``# run: mpiexec
+-n N`` under ``mpiexec -n N python -m mpi4py`` (tests/mpirun.py), ``# run`` in one plain
+process; every other block is only shown. Each run starts in an empty directory (its first
+line is replaced by a ``chdir`` there, so line numbers hold), with the NumPy kernels and one
+thread per rank, and must exit 0 without a traceback; the blocks check themselves with
+asserts. A block importing an optional package (torch, JAX, ...) skips where it is missing
+(JAX: fails instead where ``ZERO1_REQUIRE_JAX=1``). The build skips where Sphinx or
+MyST-Parser is missing, and fails instead where ``ZERO1_REQUIRE_DOCS=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpirun import run_mpi
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+RUN_LINE = re.compile(r"# run(?:: mpiexec -n ([1-4]))?")
+#: Packages a block may import that the package itself does not need.
+OPTIONAL = ("torch", "jax", "flax", "optax", "safetensors", "cupy")
+#: The pages that hold runnable blocks (so that a mark cannot vanish unnoticed).
+RUNNABLE_PAGES = {"numpy-cupy", "pytorch", "jax", "checkpoints", "memory", "clusters"}
+
+
+def runnable_blocks() -> list:
+    """``(page, first line, code)`` of every block whose first line starts with ``# run``."""
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            code = match.group(1)
+            if re.match(r"# run\b", code):
+                line = text.count("\n", 0, match.start()) + 2
+                found.append(pytest.param(page.stem, line, code, id=f"{page.stem}:{line}"))
+    return found
+
+
+BLOCKS = runnable_blocks()
+#: The pages and blocks are the same under every MPI: CI runs them in its first (MPICH) pass.
+pytestmark = pytest.mark.mpi_independent
+
+
+def test_site_builds_without_warnings(tmp_path):
+    missing = [m for m in ("sphinx", "myst_parser") if importlib.util.find_spec(m) is None]
+    if missing:
+        if os.environ.get("ZERO1_REQUIRE_DOCS") == "1":
+            pytest.fail(f"ZERO1_REQUIRE_DOCS=1 but {', '.join(missing)} does not import: "
+                        "pip install '.[docs]'")
+        pytest.skip(f"{', '.join(missing)} not installed (pip install '.[docs]')")
+    out = tmp_path / "html"
+    result = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
+                             "html", str(DOCS), str(out)], check=False, cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    api = (out / "api.html").read_text()
+    for name in ("zero1_mpi.ZeroAdam", "zero1_mpi.ShardedOptimizer.step",
+                 "module-zero1_mpi.torch", "zero1_mpi.jax.ZeroOptimizer"):  # from docstrings
+        assert f'id="{name}"' in api, name
+    assert (out / "update-rules.html").read_text().count('class="math') >= 4
+
+
+def test_the_runnable_blocks_are_where_they_belong():
+    assert {param.values[0] for param in BLOCKS} >= RUNNABLE_PAGES
+
+
+def test_pages_name_no_local_paths():
+    for page in sorted(DOCS.iterdir()):
+        if page.suffix in (".md", ".py"):
+            local = re.findall(r"(?:/work/|/root/|/home/|/tmp/)\S*", page.read_text())
+            assert not local, f"{page.name} names paths of one machine: {local}"
+
+
+@pytest.mark.parametrize("page, line, code", BLOCKS)
+def test_block_runs(tmp_path, page, line, code):
+    first, _, rest = code.partition("\n")
+    mark = RUN_LINE.fullmatch(first.rstrip())
+    assert mark, (f"docs/{page}.md:{line}: {first!r} is not a run line: '# run' or "
+                  "'# run: mpiexec -n N' (N in 1..4)")
+    imported = set(re.findall(r"^\s*(?:import|from)\s+(\w+)", code, re.MULTILINE))
+    for module in sorted(imported.intersection(OPTIONAL)):
+        if importlib.util.find_spec(module) is None:
+            if module in ("jax", "flax") and os.environ.get("ZERO1_REQUIRE_JAX") == "1":
+                pytest.fail(f"ZERO1_REQUIRE_JAX=1 but {module} does not import")
+            pytest.skip(f"docs/{page}.md:{line} needs {module}")
+    script, work = tmp_path / f"{page}_{line}.py", tmp_path / "work"
+    work.mkdir()
+    script.write_text(f"import os, sys; os.chdir(sys.argv[1])  {first}\n{rest}")
+    if mark.group(1):
+        run_mpi(int(mark.group(1)), str(script), str(work), timeout=180)
+        return
+    env = {**os.environ, "ZERO1_MPI_KERNEL": "numpy", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(script), str(work)], check=False, cwd=work,
+                            env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, \
+        f"docs/{page}.md:{line} failed\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
