@@ -14,39 +14,11 @@ rounds the other way): the loss falls from ln(10) = 2.30 to about 0.6 in 200 ste
 Needs ``pip install ".[jax]"`` (the CPU ``jax`` wheel). JAX runs on the CPU
 (``JAX_PLATFORMS=cpu`` unless set), one thread per rank (``XLA_FLAGS`` unless set).
 
-Moving arrays between zero1_mpi and JAX, each step (measured with JAX 0.10 on the CPU by
-comparing ``unsafe_buffer_pointer()`` with ``.ctypes.data``; the ``rank r:`` lines at the end
-report what happened on every rank):
-
-- Parameters, NumPy -> JAX: ``jnp.from_dlpack(opt.params[name])`` is a zero-copy view of the
-  optimizer's flat buffer when the tensor starts at a multiple of 64 bytes, the alignment of
-  XLA:CPU's buffers. Otherwise JAX copies it (``copy=False`` raises "not aligned to 64 bytes";
-  JAX 0.5 also warns on every call, JAX 0.4.30 aliased any address), so ``to_jax`` below makes
-  that copy itself. ``jax.device_put`` follows the same rule; ``jnp.asarray`` always copies.
-  NumPy's DLPack export has no bfloat16 ("DLPack only supports signed/unsigned integers,
-  float and complex dtypes"), so bfloat16 tensors travel as their uint16 bits and become
-  bfloat16 again inside the jit-compiled function (``lax.bitcast_convert_type``: free there,
-  a copy outside jit).
-- Which tensors are 64-byte aligned depends on where they start: zero1_mpi allocates its flat
-  host buffers on a 64-byte boundary and packs the tensors back to back, so a tensor is
-  aligned when the elements before it fill whole 64 bytes. Every tensor of this MLP starts at
-  a multiple of 32 elements (with ``--hidden`` a multiple of 32), so all six are views; in
-  another model a tensor after, say, a bias of 10 elements would be copied.
-- Gradients, JAX -> NumPy: ``np.asarray(grad)`` is a zero-copy, read-only view of the JAX
-  buffer (``np.from_dlpack`` too, but not for bfloat16: "Unsupported dtype in DLTensor").
-  Writing it into ``opt.grads[name]`` is the one copy that every step makes: XLA writes its
-  outputs to buffers it allocates, and donating an input to receive them (``donate_argnums``)
-  reuses only buffers JAX owns, never one that aliases NumPy memory (the output lands
-  elsewhere).
-
-Aliasing is safe only with care, because JAX assumes arrays never change and ``opt.step()``
-rewrites the flat parameter buffer in place: (1) JAX dispatches asynchronously, so a
-computation that reads the views may still be running when Python goes on; wait for its
-results (``jax.block_until_ready``) before ``opt.step()`` (measured: mutating the NumPy buffer
-right after dispatch changes the result); (2) take fresh views after every step and drop the
-old ones (an old view shows the new values, unlike any other JAX array); (3) pass the views as
-arguments of the jit-compiled function, never close over them (a captured array is a
-compile-time constant: it would keep its first values).
+``zero1_mpi.jax.ZeroOptimizer`` binds the two: ``opt.params()`` gives the parameters as a
+pytree of JAX arrays on the optimizer's flat buffer (no copy where 64-byte aligned, which here
+all six are), ``opt.step(grads)`` takes the gradient pytree (one copy, into the flat buffer).
+Its docstring holds the measured facts and the three aliasing rules this loop follows: the
+parameters go to the jit-compiled function as an argument, fresh after every step.
 
 Rank 0 prints the loss every ``--log-every`` steps, the zero-copy record of every rank
 (``zero-copy: {json}``), all the losses (``losses: [...]``, JSON) and last
@@ -54,9 +26,9 @@ Rank 0 prints the loss every ``--log-every`` steps, the zero-copy record of ever
 """
 
 import argparse
+import itertools
 import json
 import os
-import time
 
 # One thread per rank unless the user chose otherwise (N ranks each with an all-core pool
 # oversubscribe the CPU); JAX on the CPU, where zero1_mpi's NumPy buffers are.
@@ -65,17 +37,18 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import ml_dtypes  # noqa: E402 (after the thread settings)
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np  # (after the thread settings)
+from mpi4py import MPI
+
+from zero1_mpi.progress import Progress
 
 try:
     import jax
     import jax.numpy as jnp
+
+    from zero1_mpi.jax import ZeroOptimizer
 except ImportError as exc:  # every rank fails the same way, so the job ends
     raise SystemExit(f"examples/jax_mlp.py needs JAX: pip install '.[jax]' ({exc})") from None
-
-from zero1_mpi import ZeroAdamW  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=200)
@@ -97,8 +70,6 @@ rank, size = comm.Get_rank(), comm.Get_size()
 if args.batch % size:
     parser.error(f"--batch {args.batch} is not divisible by the {size} ranks: pass a multiple")
 per_rank = args.batch // size
-BF16 = np.dtype(ml_dtypes.bfloat16)
-ALIGN = 64  # bytes: XLA:CPU aliases host memory only at this alignment
 
 
 def print0(*a, **k):
@@ -114,7 +85,7 @@ sizes = [D_IN, args.hidden, args.hidden, D_OUT]
 def init_mlp(rng, sizes):
     """{"w1", "b1", ...} with N(0, 1/fan_in) weights and zero biases, float32 on the host."""
     params = {}
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:]), start=1):
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes), start=1):
         params[f"w{i}"] = rng.standard_normal((fan_in, fan_out), np.float32) / np.sqrt(fan_in)
         params[f"b{i}"] = np.zeros(fan_out, np.float32)
     return params
@@ -141,74 +112,45 @@ def loss_fn(params, x, y):
     return -jnp.take_along_axis(logprob, y[:, None], axis=1).mean()
 
 
-@jax.jit
-def loss_and_grads(views, x, y):
-    """The loss and its gradients (in the parameter dtype: float32 sums rounded once)."""
-    params = {k: jax.lax.bitcast_convert_type(v, jnp.bfloat16) if v.dtype == jnp.uint16 else v
-              for k, v in views.items()}
-    return jax.value_and_grad(loss_fn)(params, x, y)
-
-
-def to_jax(array):
-    """A JAX array on the memory of the NumPy ``array`` if it is 64-byte aligned, else a copy.
-    bfloat16 goes as its uint16 bits (NumPy's DLPack has no bfloat16): ``loss_and_grads``
-    casts them back."""
-    bits = array.view(np.uint16) if array.dtype == BF16 else array
-    if bits.ctypes.data % ALIGN:
-        return jnp.array(bits)           # XLA:CPU would copy it anyway
-    return jnp.from_dlpack(bits)
+loss_and_grads = jax.jit(jax.value_and_grad(loss_fn))  # gradients in the parameter dtype
 
 
 # -- training ----------------------------------------------------------------------------------
 init = init_mlp(np.random.default_rng(args.seed), sizes)
 init["w3"][...] = 0                      # zero output layer: the first loss is exactly ln(10)
-opt = ZeroAdamW(init, comm, lr=args.lr, weight_decay=1e-2, param_dtype=args.dtype,
-                max_grad_norm=1.0)
-names = list(opt.params)
-print0(f"jax_mlp: world_size={size} psi={opt.layout.numel} dtype={opt.param_dtype.name} "
-       f"jax={jax.__version__} device={jax.devices()[0].platform} "
+opt = ZeroOptimizer(init, "adamw", comm, lr=args.lr, weight_decay=1e-2, param_dtype=args.dtype,
+                    max_grad_norm=1.0)
+print0(f"jax_mlp: world_size={size} psi={opt.sharded.layout.numel} "
+       f"dtype={opt.sharded.param_dtype.name} jax={jax.__version__} "
+       f"device={jax.devices()[0].platform} "
        f"mlp={'-'.join(map(str, sizes))} batch={args.batch} ({per_rank} per rank) "
        f"steps={args.steps} lr={args.lr}")
 
-# What each step's transfers did, by tensor: checked every step, reported at the end.
-aligned = {k: opt.params[k].ctypes.data % ALIGN == 0 for k in names}
-params_zero_copy = dict.fromkeys(names, True)    # numpy -> jax views on every step
-grads_zero_copy = dict.fromkeys(names, True)     # jax -> numpy views on every step
-
-losses, last_logged, t0 = [], -1, time.perf_counter()
+losses = []
+# Rank 0: step, loss, ms/step, examples/s and ETA every --log-every steps (a tqdm bar where
+# tqdm is installed and stdout is a terminal).
+progress = Progress(args.steps, rank, tokens_per_step=args.batch, unit="examples",
+                    every=args.log_every)
 for step in range(args.steps):
     x, y = get_batch(step)
-    # Fresh views of the parameters step() has just written (and no older ones kept).
-    views = {k: to_jax(opt.params[k]) for k in names}
-    for k in names:
-        params_zero_copy[k] &= views[k].unsafe_buffer_pointer() == opt.params[k].ctypes.data
-    loss, grads = loss_and_grads(views, x, y)
-    # Dispatch is asynchronous: the computation reads the parameter buffer until it is done,
-    # and step() is about to rewrite that buffer.
-    jax.block_until_ready((loss, grads))
-    del views
-    for k, g in grads.items():
-        host = np.asarray(g)                           # a read-only view of JAX's buffer
-        grads_zero_copy[k] &= host.ctypes.data == g.unsafe_buffer_pointer()
-        opt.grads[k][...] = host                       # the one copy: into the flat buffer
-    opt.step()                                         # average over ranks, AdamW, all-gather
+    loss, grads = loss_and_grads(opt.params(), x, y)   # fresh views of the parameters
+    opt.step(grads)                                    # average over ranks, AdamW, all-gather
     losses.append(comm.allreduce(float(loss)) / size)  # mean over ranks, for the log
-    if (step + 1) % args.log_every == 0 or step == 0 or step == args.steps - 1:
-        t1 = time.perf_counter()
-        ms = (t1 - t0) * 1e3 / (step - last_logged)
-        print0(f"step {step:5d} | loss {losses[-1]:.4f} | {ms:7.2f} ms/step")
-        last_logged, t0 = step, t1
+    progress.update(step, losses[-1])
+progress.close()
 
-record = {"aligned": sorted(k for k in names if aligned[k]),
-          "params_zero_copy": sorted(k for k in names if params_zero_copy[k]),
-          "grads_zero_copy": sorted(k for k in names if grads_zero_copy[k]),
-          "flat_buffer_address_mod_64": opt.params[names[0]].ctypes.data % ALIGN}
+# What the transfers did, by tensor, over all steps (``ZeroOptimizer.zero_copy``).
+done = opt.zero_copy()
+record = {"aligned": sorted(done["aligned"]), "params_zero_copy": sorted(done["params"]),
+          "grads_zero_copy": sorted(done["grads"]),
+          "flat_buffer_address_mod_64": min(v.ctypes.data for v in opt.sharded.params.values())
+          % 64}
 records = comm.gather(record)
 if rank == 0:
     for r, rec in enumerate(records):
         print(f"rank {r}: parameters to JAX without a copy: {len(rec['params_zero_copy'])}/"
-              f"{len(names)} tensors ({len(rec['aligned'])} 64-byte aligned); gradients "
-              f"viewed from JAX without a copy: {len(rec['grads_zero_copy'])}/{len(names)}; "
+              f"{len(opt.names)} tensors ({len(rec['aligned'])} 64-byte aligned); gradients "
+              f"viewed from JAX without a copy: {len(rec['grads_zero_copy'])}/{len(opt.names)}; "
               f"one copy each into opt.grads", flush=True)
     print(f"zero-copy: {json.dumps(records)}", flush=True)
 tail = losses[-min(10, len(losses)):]

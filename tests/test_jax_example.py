@@ -6,7 +6,8 @@ installed, failed instead where ``ZERO1_REQUIRE_JAX=1``, as in CI).
   hand); in bfloat16 (the default) it learns, and ``--plot`` writes the loss curve.
 - Every run reports, per rank, which transfers were zero-copy (pointers compared inside the
   example): the parameters exactly where 64-byte aligned, the gradient views always.
-- What the example's docstring says of JAX holds for the installed JAX (in this process).
+- What zero1_mpi/jax.py's docstring (``ZeroOptimizer``, which the example trains with) says of
+  JAX holds for the installed JAX (in this process; device_put in tests/test_jax_adapter.py).
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def aligned(n: int, dtype, offset_bytes: int = 0) -> np.ndarray:
 
 
 def test_what_the_docstring_says_of_jax_holds_here():
-    """If one of these fails after a JAX upgrade, examples/jax_mlp.py's docstring (and maybe
-    its code) needs the new facts."""
+    """If one of these fails after a JAX upgrade, ``zero1_mpi.jax.ZeroOptimizer``'s docstring
+    (and maybe its code) needs the new facts."""
     import ml_dtypes
 
     where = f"JAX {jax.__version__}"
@@ -134,7 +135,7 @@ def test_what_the_docstring_says_of_jax_holds_here():
         assert jnp.from_dlpack(odd).unsafe_buffer_pointer() != odd.ctypes.data, where
     bf16 = aligned(256, ml_dtypes.bfloat16)
     with pytest.raises(BufferError):
-        bf16.__dlpack__()  # NumPy's DLPack export has no bfloat16: hence the uint16 bits
+        bf16.__dlpack__()  # NumPy's DLPack export has no bfloat16: hence jax.device_put
     bits = jnp.from_dlpack(bf16.view(np.uint16))
     assert bits.unsafe_buffer_pointer() == bf16.ctypes.data, where
 
