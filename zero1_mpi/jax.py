@@ -13,12 +13,12 @@ captured array is a constant). Imports JAX, which ``import zero1_mpi`` does not.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
 from .comm import Communicator
+from .binding import PassThrough, optimizer_class
 from .engine import ShardedOptimizer, StepInfo
 
 try:
@@ -41,7 +41,7 @@ def leaf_names(tree) -> list[str]:
     return [_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(PassThrough):
     """A zero1_mpi sharded optimizer over a pytree of JAX (or NumPy) arrays.
 
     Args:
@@ -93,7 +93,7 @@ class ZeroOptimizer:
                 raise ValueError(f"two leaves of params have the same name "
                                  f"{_first_duplicate(self._names)!r}: rename one (names join "
                                  "the path's keys with '/')")
-            cls = _optimizer_class(rule)
+            cls = optimizer_class(rule)
             core_params = _grouped(arrays, groups, _itemsize(arrays, options))
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = exc
@@ -164,43 +164,10 @@ class ZeroOptimizer:
         self.sharded.zero_grad()
         self._problem, self._accumulated = None, False
 
-    def wait(self) -> None:
-        """``ShardedOptimizer.wait``: complete the all-gathers in flight."""
-        self.sharded.wait()
-
     @property
     def param_groups(self) -> list[dict]:
         """The core's param groups (``"names"`` and the rule's options; set ``lr`` there)."""
         return self.sharded.param_groups
-
-    @property
-    def loss_scale(self) -> float:
-        """Multiply the loss by this before taking gradients (1.0 without loss scaling)."""
-        return self.sharded.loss_scale
-
-    @property
-    def step_count(self) -> int:
-        return self.sharded.step_count
-
-    def save(self, path, keep: int | None = None):
-        """``ShardedOptimizer.save``: a sharded checkpoint under ``path``; all ranks."""
-        return self.sharded.save(path, keep)
-
-    def load(self, path):
-        """``ShardedOptimizer.load``; all ranks. Call ``params()`` again afterwards."""
-        return self.sharded.load(path)
-
-    def save_consolidated(self, path):
-        """``ShardedOptimizer.save_consolidated``: one file of the full fp32 state."""
-        return self.sharded.save_consolidated(path)
-
-    def load_consolidated(self, path):
-        """``ShardedOptimizer.load_consolidated``; all ranks. Call ``params()`` again."""
-        return self.sharded.load_consolidated(path)
-
-    def memory_report(self):
-        """``ShardedOptimizer.memory_report``: the bytes this rank holds, by category."""
-        return self.sharded.memory_report()
 
     # -- gradients in ------------------------------------------------------------------------
 
@@ -339,19 +306,6 @@ def _aligned_first(arrays: dict, itemsize: int) -> dict:
     """``arrays`` with those of a whole number of 64-byte lines first, each part in order."""
     whole = {n: a for n, a in arrays.items() if a.size * itemsize % ALIGNMENT == 0}
     return {**whole, **{n: a for n, a in arrays.items() if n not in whole}}
-
-
-def _optimizer_class(rule) -> type:
-    """The optimizer class ``rule`` names (a class, or a registry name / ``"adamw"``)."""
-    if isinstance(rule, str):
-        from .rules import registry
-        from .rules.adam import ZeroAdamW
-        return ZeroAdamW if rule.lower() == "adamw" else registry.get(rule.lower()).optimizer
-    if inspect.isclass(rule) and issubclass(rule, ShardedOptimizer) \
-            and rule is not ShardedOptimizer:
-        return rule
-    raise TypeError(f"rule must be an optimizer class such as zero1_mpi.ZeroAdamW or a name "
-                    f"('adamw', 'adam', 'sgd', 'lion', 'lamb'), got {rule!r}")
 
 
 def _structure_problem(got: list[str], want: list[str]) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .engine import ShardedOptimizer
+from .binding import PassThrough, optimizer_class
 
 __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
 
@@ -55,7 +55,7 @@ def as_tensor(array):
     return torch.from_numpy(array)
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
     """A zero1_mpi sharded optimizer as a ``torch.optim.Optimizer``.
 
     Build it last, after the model is on its device and in its dtype: from then on every
@@ -97,7 +97,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "all-gather: pass the nn.Module itself, or module=model")
         named = {name: p for group in groups for name, p in group["params"].items()}
         _check_unbound(named)
-        cls = _optimizer_class(rule)
+        cls = optimizer_class(rule)
         _use_device_of(named)
         arrays = [{**group, "params": {name: as_array(p) for name, p in group["params"].items()}}
                   for group in groups]
@@ -180,45 +180,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             self._sync = previous
 
-    def wait(self) -> None:
-        """Complete the all-gather that an overlapped ``step()`` left in flight (the module's
-        forward does it): call it before reading the parameters in any other way."""
-        self.sharded.wait()
-
-    @property
-    def loss_scale(self) -> float:
-        """Multiply the loss by this before backward (1.0 without loss scaling)."""
-        return self.sharded.loss_scale
-
-    @property
-    def step_count(self) -> int:
-        return self.sharded.step_count
-
-    def save(self, path, keep: int | None = None):
-        """``ShardedOptimizer.save``: a sharded checkpoint under ``path``; all ranks."""
-        return self.sharded.save(path, keep)
-
     def load(self, path):
         """``ShardedOptimizer.load`` into the model's parameters, in place, and the saved
         rule options into ``param_groups``; all ranks."""
-        loaded = self.sharded.load(path)
+        loaded = super().load(path)
         self._pull_options()
         return loaded
-
-    def save_consolidated(self, path):
-        """``ShardedOptimizer.save_consolidated``: one file of the full fp32 state."""
-        return self.sharded.save_consolidated(path)
 
     def load_consolidated(self, path):
         """``ShardedOptimizer.load_consolidated``, and the saved rule options into
         ``param_groups``; all ranks."""
-        loaded = self.sharded.load_consolidated(path)
+        loaded = super().load_consolidated(path)
         self._pull_options()
         return loaded
-
-    def memory_report(self):
-        """``ShardedOptimizer.memory_report``: the bytes this rank holds, by category."""
-        return self.sharded.memory_report()
 
     def unbind(self) -> None:
         """Give the parameters back: each becomes an independent tensor holding its current
@@ -363,21 +337,6 @@ def _check_unbound(named: dict) -> None:
         if owner is not None and owner.sharded is not None:
             raise ValueError(f"parameter {name!r} is already bound to another ZeroOptimizer: "
                              "call its unbind() (or drop it) first")
-
-
-def _optimizer_class(rule) -> type:
-    """The optimizer class ``rule`` names (a class, or a registry name / ``"adamw"``)."""
-    if isinstance(rule, str):
-        from .rules import registry
-        from .rules.adam import ZeroAdamW
-        if rule.lower() == "adamw":
-            return ZeroAdamW
-        return registry.get(rule.lower()).optimizer
-    if isinstance(rule, type) and issubclass(rule, ShardedOptimizer) \
-            and rule is not ShardedOptimizer:
-        return rule
-    raise TypeError(f"rule must be an optimizer class such as zero1_mpi.ZeroAdamW or a name "
-                    f"('adamw', 'adam', 'sgd', 'lion', 'lamb'), got {rule!r}")
 
 
 def _use_device_of(named: dict) -> None:
