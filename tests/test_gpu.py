@@ -1,7 +1,8 @@
 """GPU checks: each rule's CuPy kernel against its NumPy twin, CuPy buffers through the
 communicator, the multi-rank parity cases (Adam's, and the other rules') on CuPy arrays, state
-offload on CuPy arrays (parity and the device/host split of the memory), and NCCL refusing two
-ranks on one GPU with a clear error.
+offload on CuPy arrays (parity and the device/host split of the memory), the torch binding on
+CUDA (DLPack views of the CuPy buffers), and NCCL refusing two ranks on one GPU with a clear
+error.
 
 Skipped where CuPy or a GPU is missing, unless ZERO1_REQUIRE_GPU=1 (``tools/gpu_check.sh``
 sets it), which turns a skip into a failure.
@@ -250,3 +251,31 @@ def test_nccl_refuses_two_ranks_on_one_gpu_on_every_rank():
     pytest.importorskip("cupy.cuda.nccl")
     out = run_mpi(2, "nccl_shared_gpu.py", timeout=120).stdout
     assert "OK nccl shared gpu: 2 ranks refused" in out
+
+
+def test_torch_binding_on_cuda_views_cupy_buffers_and_steps_as_on_the_cpu():
+    """zero1_mpi.torch on a CUDA model: parameters and .grad are DLPack views of the CuPy
+    buffers, and a step on given gradients lands where the same step on the CPU does."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    from zero1_mpi.torch import ZeroOptimizer
+
+    def bound(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(device)
+        return model, ZeroOptimizer(model, "adamw", MPI.COMM_SELF, lr=1e-2, max_grad_norm=1.0)
+
+    (gpu, gpu_opt), (cpu, cpu_opt) = bound("cuda"), bound("cpu")
+    for name, p in gpu.named_parameters():
+        assert p.data_ptr() == gpu_opt.sharded.params[name].data.ptr
+        assert p.grad.data_ptr() == gpu_opt.sharded.grads[name].data.ptr
+    for step in range(3):
+        for p, q in zip(gpu.parameters(), cpu.parameters()):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            p.grad.copy_(g.cuda())
+            q.grad.copy_(g)
+        gpu_opt.step()
+        cpu_opt.step()
+    for p, q in zip(gpu.parameters(), cpu.parameters()):
+        assert max_rel_err(p.detach().cpu().numpy(), q.detach().numpy()) <= 1e-6
