@@ -86,11 +86,20 @@ def parity(dtype_name, kind, overlap):
             [{"params": [named[n] for n in g["params"]], "weight_decay": g["weight_decay"]}
              for g in groups], lr=LR)
         whole_sched = schedulers(whole_opt, kind)
+    shadow = make_model(dtype)  # the same values, its own gradients (see below)
     for step in range(STEPS):
         x, y = batch(step, dtype=dtype)
+        opt.wait()
+        with torch.no_grad():
+            for q, p in zip(shadow.parameters(), model.parameters()):
+                q.copy_(p)
+                q.grad = None
         (loss_of(model, x, y) * opt.loss_scale).backward()
-        every = comm.allgather({n: p.grad.double().numpy() / opt.loss_scale
-                                for n, p in model.named_parameters()})
+        # The gradients autograd wrote into the buffer, from the shadow's identical backward:
+        # with overlap the buffer is being reduced in place by now (no longer this rank's).
+        (loss_of(shadow, x, y) * opt.loss_scale).backward()
+        every = comm.allgather({n: q.grad.double().numpy() / opt.loss_scale
+                                for n, q in shadow.named_parameters()})
         info = opt.step()
         ours_sched.step()
         if info.skipped:  # float16's first steps find the loss scale; torch skips them too
