@@ -150,3 +150,18 @@ def test_a_timed_out_job_is_killed_whole_and_fails_promptly():
     alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
              not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"]
     assert not alive, f"ranks left running: {alive}"
+
+
+@pytest.mark.mpi_independent
+def test_only_a_launcher_that_failed_on_its_own_is_launched_again():
+    """tests/mpirun.py launches a job once more only when mpiexec itself failed to start
+    (Open MPI's PMIx listener), never when a rank ran and failed."""
+    from mpirun import launcher_did_not_start
+
+    def result(rc, out, err):
+        return subprocess.CompletedProcess(["mpiexec"], rc, out, err)
+    pmix = "--\nThe PMIx server's listener thread failed to start. We cannot\ncontinue.\n--"
+    assert launcher_did_not_start(result(213, "", pmix))
+    assert not launcher_did_not_start(result(0, "", pmix))
+    assert not launcher_did_not_start(result(213, "rank 0 started\n", pmix))
+    assert not launcher_did_not_start(result(1, "", "Traceback (most recent call last):"))
