@@ -1,8 +1,8 @@
 """GPU checks: each rule's CuPy kernel against its NumPy twin, CuPy buffers through the
 communicator, the multi-rank parity cases (Adam's, and the other rules') on CuPy arrays, state
 offload on CuPy arrays (parity and the device/host split of the memory), the torch binding on
-CUDA (DLPack views of the CuPy buffers), and NCCL refusing two ranks on one GPU with a clear
-error.
+CUDA (DLPack views of the CuPy buffers), gradient sharding on CuPy buffers, and NCCL refusing
+two ranks on one GPU with a clear error.
 
 Skipped where CuPy or a GPU is missing, unless ZERO1_REQUIRE_GPU=1 (``tools/gpu_check.sh``
 sets it), which turns a skip into a failure.
@@ -279,3 +279,11 @@ def test_torch_binding_on_cuda_views_cupy_buffers_and_steps_as_on_the_cpu():
         cpu_opt.step()
     for p, q in zip(gpu.parameters(), cpu.parameters()):
         assert max_rel_err(p.detach().cpu().numpy(), q.detach().numpy()) <= 1e-6
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_gradient_sharding_on_cupy_arrays(tmp_path, n):
+    """shard_gradients=True with CuPy buffers: the stage-2 case (every rule and dtype against
+    stage 1 and the float64 reference, checkpoints across the stages) on the GPU."""
+    out = run_mpi(n, "stage2.py", str(tmp_path), "cupy", timeout=600).stdout
+    assert f"OK stage 2: 60 rule/dtype cases x 6 steps on {n} ranks (cupy)" in out, out

@@ -35,9 +35,11 @@ NEW_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 5)
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_n_ranks_match_one_process_on_the_averaged_gradients(n):
-    out = run_mpi(n, "jax_adapter.py", "parity", *(["errors"] if n == 3 else []),
+    out = run_mpi(n, "jax_adapter.py", "parity", *(["errors", "stage2"] if n == 3 else []),
                   timeout=180).stdout
     assert f"OK jax adapter parity: 3 configs x 6 steps on {n} ranks" in out, out
+    if n == 3:  # shard_gradients=True: the gradients handed over leaf by leaf (stage 2)
+        assert "OK jax adapter parity (stage 2): 3 configs x 6 steps on 3 ranks" in out, out
     if n == 3:  # wrong pytrees, shapes, dtypes and arguments raise on every rank
         assert "OK jax adapter errors on 3 ranks" in out, out
 

@@ -189,6 +189,22 @@ def test_cli_params_and_gpus(tool, capsys):
         "Per-GPU memory (GB) for a 125M parameter model"
 
 
+def test_stage2_column_is_the_chapters_and_memory_reports(tool, capsys):
+    """``--stage 2``: the chapter's Stage 2 column (7B at 4-128 GPUs), from the function that
+    ``MemoryReport.formula_bytes`` uses with a gradient shard."""
+    assert tool.main(["--stage", "2", "--gpus", "4,8,16,32,64,128"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines[3:]] == \
+        ["38.5G", "26.2G", "20.1G", "17.1G", "15.5G", "14.8G"]
+    report = MemoryReport(parameters=2, gradients=1, master_weights=4,
+                          state={"exp_avg": 4, "exp_avg_sq": 4}, padding=0, comm_scratch=0,
+                          psi=7 * 10**9, group_size=64, rank=0, param_dtype="bfloat16",
+                          grad_shard_dtype="bfloat16")
+    assert report.formula_bytes == 15.53125e9 and report.formula_label == "2Ψ+14Ψ/N"
+    fp32_shard = MemoryReport(**{**report.as_dict(), "grad_shard_dtype": "float32"})
+    assert fp32_shard.formula_label == "2Ψ+16Ψ/N"
+
+
 def test_cli_optimizer_table(tool, capsys):
     assert tool.main(["--optimizer", "adam"]) == 0
     assert capsys.readouterr().out == SEED_TABLE + "\n"

@@ -1,5 +1,5 @@
 """python tools/memory_table.py [--params 7B] [--gpus 1,4,8,16,32,64,128] [--optimizer adam]
-                              [--momentum 0.9] [--measure]
+                              [--momentum 0.9] [--stage 1|2] [--measure]
 
 Prints the reference chapter's per-GPU memory table (GB = 1e9 bytes) for ZeRO stages 0-3, with
 the ``--optimizer``'s bytes per parameter K of the sharded part (adam: the chapter's 12; lamb 12;
@@ -9,13 +9,18 @@ sgd 8, or 4 with ``--momentum 0``; lion 8; any rule of ``zero1_mpi.rules.registr
 N in ``--gpus`` (default 1,2,4; ``--params`` default 10M) and prints, for the rank holding the
 most (ties: the most padding + scratch), its measured bytes next to the stage-1 formula. Summed
 over ranks, ``measured - formula`` must equal ``padding + scratch``: the "balanced" column says
-so. The table alone, with more options (dtype, offload), is ``python -m zero1_mpi.memory`` (the
-``zero1-memory`` console script), whose code this tool shares.
+so. ``--stage 2`` prints the chapter's Stage 2 column alone, from ``memory.stage_bytes``, the
+function ``memory_report()`` holds gradient sharding to; with ``--measure`` it measures
+``shard_gradients=True`` (stage 1 by default). The table alone, with more options (dtype,
+offload), is ``python -m zero1_mpi.memory`` (the ``zero1-memory`` console script), whose code
+this tool shares.
 
     python tools/memory_table.py --params 1.3e9 --gpus 1,2,4
     python tools/memory_table.py --optimizer sgd --momentum 0
     python tools/memory_table.py --measure --params 1M --gpus 1,2 --dtype bfloat16
     python tools/memory_table.py --measure --optimizer lion --params 1M --gpus 1,2
+    python tools/memory_table.py --stage 2 --gpus 4,8,16,32,64,128
+    python tools/memory_table.py --measure --stage 2 --params 1M --gpus 1,2 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ try:
     import zero1_mpi  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(ROOT))
-from zero1_mpi.memory import MemoryReport, format_param_count, format_table, parse_param_count
+from zero1_mpi.memory import (MemoryReport, format_param_count, format_table, parse_param_count,
+                              stage_bytes)
 from zero1_mpi.memory.__main__ import DEFAULT_MOMENTUM, describe, table_options
 from zero1_mpi.rules.registry import builtin_rules
 
@@ -64,7 +70,7 @@ def optimizer_class(optimizer: str):
 
 
 def worker(psi: int, dtype: str, optimizer: str = "adam",
-           momentum: float = DEFAULT_MOMENTUM) -> None:
+           momentum: float = DEFAULT_MOMENTUM, stage: int = 1) -> None:
     """Runs on every rank: build the optimizer, gather each rank's report, print one JSON line
     on rank 0."""
     import numpy as np
@@ -79,6 +85,8 @@ def worker(psi: int, dtype: str, optimizer: str = "adam",
     params = {f"t{i}": np.zeros(shape, np_dtype) for i, shape in enumerate(tensor_shapes(psi))}
     options = {"momentum": momentum} if optimizer == "sgd" else {}
     cls = optimizer_class(optimizer)
+    if stage == 2:
+        options["shard_gradients"] = True
     opt = cls(params, comm=comm, lr=1e-3, param_dtype=dtype, **options)
     report = opt.memory_report()
     if not isinstance(report, MemoryReport):
@@ -91,13 +99,13 @@ def worker(psi: int, dtype: str, optimizer: str = "adam",
 
 def measure(psi: int, gpus, dtype: str = "float16", mpiexec: str | None = None,
             timeout: float = 300.0, optimizer: str = "adam",
-            momentum: float = DEFAULT_MOMENTUM) -> dict[int, list[MemoryReport]]:
+            momentum: float = DEFAULT_MOMENTUM, stage: int = 1) -> dict[int, list[MemoryReport]]:
     """``{N: [report of rank 0, ..., rank N-1]}`` from one ``mpiexec -n N`` run per N."""
     results = {}
     for n in gpus:
         found = run_ranks(n, str(Path(__file__).resolve()),
                           ["--worker", "--params", str(psi), "--dtype", dtype,
-                           "--optimizer", optimizer]
+                           "--optimizer", optimizer, "--stage", str(stage)]
                           + (["--momentum", repr(float(momentum))] if optimizer == "sgd" else []),
                           mpiexec, timeout)
         if len(found.get("reports", ())) != n:
@@ -126,7 +134,10 @@ def format_measured(psi: int, dtype: str, results: dict[int, list[MemoryReport]]
     title = (f"Measured bytes per rank, {describe(optimizer, momentum)}, "
              f"{format_param_count(psi)} {dtype} parameters")
     labels = {r.formula_label for reports in results.values() for r in reports}
-    if optimizer != "adam" and labels:
+    stage2 = any(r.grad_shard_dtype for reports in results.values() for r in reports)
+    if stage2:
+        title += ", gradients sharded (stage 2)"
+    if (optimizer != "adam" or stage2) and labels:
         title += f", formula {', '.join(sorted(labels))}"
     lines = [title,
              "".join(f"{h:>{w}}" for h, w in zip(head, widths)), "-" * sum(widths)]
@@ -135,6 +146,15 @@ def format_measured(psi: int, dtype: str, results: dict[int, list[MemoryReport]]
         row = (n, r.rank, r.total, num(r.formula_bytes), num(r.total - r.formula_bytes),
                r.padding, r.comm_scratch, "yes" if balanced(reports) else "NO")
         lines.append("".join(f"{v:>{w}}" for v, w in zip(row, widths)))
+    return "\n".join(lines)
+
+
+def format_stage(psi: int, gpus, stage: int, k: int, param_dtype: str = "float16") -> str:
+    """One stage's column of the table (GB = 1e9 bytes), from ``memory.stage_bytes``."""
+    lines = [f"Per-GPU memory (GB) of ZeRO stage {stage} for a {format_param_count(psi)} "
+             f"parameter model, K = {k}", f"{'GPUs':>6}{'Stage ' + str(stage):>11}", "-" * 17]
+    for n in gpus:
+        lines.append(f"{n:>6}{stage_bytes(psi, n, stage, k, param_dtype) / 1e9:>10.1f}G")
     return "\n".join(lines)
 
 
@@ -187,6 +207,9 @@ def main(argv=None) -> int:
                         help="hierarchical sharding: the state sharded within groups of K GPUs "
                              "and replicated across them (rows whose N K does not divide are "
                              "left out); the table only")
+    parser.add_argument("--stage", type=int, choices=(1, 2), default=None,
+                        help="the table: that stage's column alone; --measure: 2 measures "
+                             "gradient sharding (shard_gradients=True; default 1)")
     parser.add_argument("--measure", action="store_true",
                         help="run the --optimizer's zero1_mpi class under mpiexec and measure it")
     parser.add_argument("--dtype", choices=DTYPES, default="float16",
@@ -208,10 +231,17 @@ def main(argv=None) -> int:
                      "(not with --measure)")
     if args.worker:
         worker(args.params if args.params is not None else MEASURE_PARAMS, args.dtype,
-               args.optimizer, args.momentum)
+               args.optimizer, args.momentum, args.stage or 1)
         return 0
     if not args.measure:
         params = TABLE_PARAMS if args.params is None else args.params
+        if args.stage is not None:
+            if args.shard_group is not None:
+                parser.error("--shard-group goes with the whole table, not --stage")
+            k = table_options(args.optimizer, momentum=args.momentum)["k"]
+            print(format_stage(params, TABLE_GPUS if args.gpus is None else args.gpus,
+                               args.stage, k))
+            return 0
         print(format_table(params, TABLE_GPUS if args.gpus is None else args.gpus,
                            shard_group=args.shard_group,
                            **table_options(args.optimizer, momentum=args.momentum)))
@@ -221,7 +251,8 @@ def main(argv=None) -> int:
         parser.error(f"--params {psi} is too small to measure: pass at least 1")
     try:
         results = measure(psi, MEASURE_GPUS if args.gpus is None else args.gpus, args.dtype,
-                          args.mpiexec, args.timeout, args.optimizer, args.momentum)
+                          args.mpiexec, args.timeout, args.optimizer, args.momentum,
+                          args.stage or 1)
     except RuntimeError as exc:
         print(f"memory_table.py: error: {exc}", file=sys.stderr)
         return 1

@@ -27,7 +27,9 @@ class BucketPipeline:
 
     Args:
         layout: the ``Layout`` of both buffers.
-        params, grads: the flat parameter and gradient buffers (NumPy or CuPy).
+        params, grads: the flat parameter and gradient buffers (NumPy or CuPy); ``grads``
+            None with gradient sharding, which reduces elsewhere (``grad_shards``): then this
+            runs the gathers only.
         shard_comm: the ``Communicator`` of this rank's shard group.
         replica_comm: the ``Communicator`` of the ranks holding the same shard in the other
             groups, or None when there is one group.
@@ -45,8 +47,8 @@ class BucketPipeline:
         # 16-bit exchanges land in receive slots; two let one bucket's sum run while the next
         # bucket's exchange is in flight.
         slots = min(2, len(layout.buckets)) if exchange_16bit else 0
-        xp = backend.xp_for(backend.backend_name(grads))
-        self._received = xp.empty((slots, max(b.size for b in layout.buckets)), grads.dtype) \
+        xp = backend.xp_for(backend.backend_name(params))
+        self._received = xp.empty((slots, max(b.size for b in layout.buckets)), params.dtype) \
             if slots else None
         self._tensor_buckets = {t.name: [b.index for b in layout.buckets
                                          if b.offset < t.offset + t.numel

@@ -1,12 +1,12 @@
-"""The sharded engine: ZeRO stage 1 for any update rule (``zero1_mpi.rules.Rule``).
+"""The sharded engine: ZeRO stage 1 (and 2) for any update rule (``zero1_mpi.rules.Rule``).
 
-Every rank holds the full parameters and gradients (flat buffers; the model sees named views)
-and, for its own shard only, fp32 master weights and the rule's state arrays. ``step()``
-reduces the gradients to each rank's shard (``buckets.BucketPipeline``), agrees on the global
-gradient norm, overflow and options in one small ``Allreduce``, runs the rule's kernel on the
-shard (unscaling and clipping folded into its gradient factor) and all-gathers the parameters.
-The engine knows no rule's math. The constructor and ``step()`` must be called on all ranks;
-input errors are raised on every rank before the first collective.
+Every rank holds the full parameters and gradients (flat buffers; the model sees named views;
+``shard_gradients``: a gradient shard, fed by ``grad_shards.GradientShards``) and, for its own
+shard only, fp32 master weights and the rule's state. ``step()`` reduces the gradients to each
+rank's shard (``buckets.BucketPipeline``), agrees on the global norm, overflow and options in
+one small ``Allreduce``, runs the rule's kernel on the shard (unscaling and clipping folded into
+its gradient factor) and all-gathers the parameters. The engine knows no rule's math. The
+constructor and ``step()`` must be called on all ranks; input errors are raised on every rank.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import numpy as np
 from . import backend, checkpoint, export
 from .buckets import BucketPipeline
 from .comm import CollectiveError, Communicator
+from .grad_shards import DEFAULT_SLOTS, GradientShards
 from .layout import DEFAULT_BUCKET_ELEMENTS, build_layout
 from .memory import MemoryReport
 from .offload import HostShard, ThreadedKernel, check_offload, each_tensor_sums, resolve_threads
-from .params import (check_arrays, check_max_grad_norm, check_reduce_dtype, group_options,
-                     normalize_groups)
+from .params import (check_arrays, check_max_grad_norm, check_reduce_dtype, check_stage2,
+                     group_options, normalize_groups)
 from .reductions import reductions_for, resolve_cpu_kernel
 from .rules import missing_members
 from .scaler import LossScaler
@@ -79,15 +80,26 @@ class ShardedOptimizer:
             device holding the parameters, gradients and communication scratch; the copies
             and the host kernel of neighbouring buckets overlap. None: all on the device.
         offload_threads: the host kernel's threads (None: the cores this rank may use).
+        shard_gradients: ZeRO stage 2: no rank holds the full gradient. Hand each tensor's
+            gradient over with ``add_grad(name, grad)`` (once per micro-batch, in the same
+            order on every rank) instead of writing ``grads``; a bucket is reduced into this
+            rank's gradient shard as soon as its last tensor is in, through a few staging
+            buckets (``grad_staging`` of them); the shard sums the micro-batches of a step.
+        grad_shard_dtype: the gradient shard's dtype with ``shard_gradients``: None (the
+            parameters') or ``"float32"`` (16-bit parameters: the exact fp32 sums, 2 bytes a
+            parameter more per rank over N).
+        grad_staging: staging buckets with ``shard_gradients`` (default 2; at least 1).
     """
 
     def __init__(self, params, comm, rule, defaults: dict, *, param_dtype=None,
                  loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
-                 shard_group_size=None, offload=None, offload_threads=None):
+                 shard_group_size=None, offload=None, offload_threads=None,
+                 shard_gradients=False, grad_shard_dtype=None, grad_staging=DEFAULT_SLOTS):
         setup = _configure(params, comm, rule, defaults, param_dtype, loss_scale,
                            max_grad_norm, reduce_dtype, bucket_elements, cuda_aware,
-                           shard_group_size, offload, offload_threads)
+                           shard_group_size, offload, offload_threads,
+                           (shard_gradients, grad_shard_dtype, grad_staging))
         self.comm, self.rule, self.layout, k = setup.comm, rule, setup.layout, setup.group_size
         #: Ranks per shard group (K), this rank's position in its group (which shard of each
         #: bucket it owns), and how many groups hold a replica of the state (N / K).
@@ -98,13 +110,16 @@ class ShardedOptimizer:
         self.scaler, self.param_groups = setup.scaler, setup.groups
         #: Where the master weights and the rule's state live ("cpu": the host), or None.
         self.offload, self.offload_threads = setup.offload, setup.threads
+        #: The gradient shard's dtype with ``shard_gradients`` (stage 2), else None.
+        self.grad_shard_dtype = setup.grad_shard_dtype
         self.step_count = 0
         #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
         #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
         #: CuPy work is asynchronous: there the phases are the host's, not the device's.
         self.last_step_seconds = {}
         with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
-            self._allocate(setup.layout, setup.dtype, setup.backend, setup.threads)
+            self._allocate(setup.layout, setup.dtype, setup.backend, setup.threads,
+                           setup.staging)
             self._load_initial_values(setup.arrays)
 
     # -- public API --------------------------------------------------------------------------
@@ -137,9 +152,36 @@ class ShardedOptimizer:
         with the same names before each ``step()``; do not write those gradients again before
         ``step()`` (MPI may be reading them).
         """
+        if self._grad_shards is not None:
+            raise ValueError("grads_ready() is for the full gradient buffer: with "
+                             "shard_gradients=True each bucket's reduction starts when "
+                             "add_grad() hands its last tensor over")
         names = self.buckets.check_ready(names)  # a usage error: before any collective starts
         with self.comm.abort_on_error("in grads_ready()"):
             self.buckets.mark_ready(names)
+
+    def add_grad(self, name: str, grad) -> None:
+        """With ``shard_gradients``: hand over tensor ``name``'s gradient for this micro-batch
+        (an array of the parameter's shape, in its dtype or float32, NumPy or CuPy as the
+        parameters), once per micro-batch, in the same order on every rank; the array may be
+        reused or freed on return. A bucket whose last tensor this is starts its reduction
+        into the gradient shard. Must be called on all ranks. A wrong name, shape, dtype or a
+        second hand-over in one micro-batch is raised by the next ``step()`` on every rank."""
+        if self._grad_shards is None:
+            raise ValueError("add_grad() hands gradients over with shard_gradients=True; "
+                             "without it, write them into opt.grads[name]")
+        with self.comm.abort_on_error("in add_grad()"):
+            self._grad_shards.add(name, grad)
+
+    def missing_grads(self) -> list[str]:
+        """With ``shard_gradients``: the tensors not yet handed over in the buckets that this
+        micro-batch has begun (an unused parameter's: hand it over as zeros)."""
+        return [] if self._grad_shards is None else self._grad_shards.missing()
+
+    def add_grads(self, grads) -> None:
+        """``add_grad`` for each ``name: grad`` of the mapping ``grads``, in its order."""
+        for name, grad in grads.items():
+            self.add_grad(name, grad)
 
     def wait(self) -> None:
         """Complete the all-gathers that ``step(wait=False)`` left in flight. Reading
@@ -152,6 +194,10 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         """Set every gradient to zero (``step()`` also leaves them zeroed). Reductions that
         ``grads_ready`` started for this step are completed and forgotten first."""
+        if self._grad_shards is not None:
+            with self.comm.abort_on_error("in zero_grad() while completing reductions"):
+                self._grad_shards.zero()
+            return
         if self.buckets.started:
             with self.comm.abort_on_error("in zero_grad() while completing reductions"):
                 self.buckets.discard()
@@ -173,16 +219,23 @@ class ShardedOptimizer:
         clock = time.perf_counter
         started = clock()
         group_error, options = self._check_param_groups()
-        group_error = problem or group_error
         with self.comm.abort_on_error("in step() while reducing the gradients"):
-            reduced = self.buckets.reduce_all()
+            if self._grad_shards is None:
+                reduced, order = self.buckets.reduce_all(), 0
+            else:
+                reduced = self._grad_shards.reduce_all()
+                order = self._grad_shards.order_digest
+                group_error = self._grad_shards.problem or group_error
+            group_error = problem or group_error
             reduced_at = clock()
             # Replicas hold the same sums: the norm counts one of them.
             sum_sq = float(sum(self._reductions.sum_of_squares(r) for r in reduced)) \
                 if self._replica == 0 else 0.0
             # One Allreduce: the norm (inf/nan if any rank overflowed), whether any rank found
-            # a bad option, and whether all ranks hold the same options (sum h and sum h^2).
-            totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options]
+            # a bad option or hand-over, and whether all ranks hold the same options and (stage
+            # 2) reduced the buckets in the same order (sums of h and h^2 of a digest).
+            totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options,
+                      order, order * order]
             if self.world_size > 1:
                 totals = self.comm.allreduce_sum(totals)
         agreed_at = clock()
@@ -194,6 +247,11 @@ class ShardedOptimizer:
             raise CollectiveError(f"param_groups options ({', '.join(self.rule.options)}) "
                                   "differ between ranks: set them to the same values on every "
                                   "rank (nothing was updated)")
+        if self.world_size * int(totals[5]) != int(totals[4]) ** 2:
+            self.zero_grad()
+            raise CollectiveError("the ranks handed their gradients over in different orders, "
+                                  "so their reductions did not match: hand the same tensors "
+                                  "over in the same order on every rank (nothing was updated)")
 
         scale = self.scaler.scale
         grad_norm = math.sqrt(totals[0]) / (self.world_size * scale)
@@ -301,14 +359,18 @@ class ShardedOptimizer:
         ``offload``, split between the device and the host."""
         psi, owned = self.layout.numel, self.layout.owned_real(self.shard_rank)
         state = {name: owned * FP32.itemsize for name in self._state}
+        shards = self._grad_shards
+        grads = self._grads if shards is None else shards.shard
         real = {"parameters": psi * self.param_dtype.itemsize,
-                "gradients": psi * self.param_dtype.itemsize,
+                "gradients": (psi if shards is None else owned) * grads.dtype.itemsize,
                 "master_weights": 0 if self._master is None else owned * FP32.itemsize}
         sharded = [a for a in (self._master, *self._state.values()) if a is not None]
         sharded_real = real["master_weights"] + sum(state.values())
-        device = [self._params, self._grads] + ([] if self._offload else sharded)
+        device = [self._params, grads] + ([] if self._offload else sharded)
         padding = sum(a.nbytes for a in device) - real["parameters"] - real["gradients"]
         scratch = self.buckets.scratch_bytes + self._reductions.scratch_bytes
+        if shards is not None:
+            scratch += shards.scratch_bytes
         # Page-locked MPI staging (CuPy parameters) and the offloaded shard are the host's.
         host_scratch = self.comm.staging_bytes if self.backend == "cupy" else 0
         scratch += self.comm.staging_bytes - host_scratch
@@ -323,14 +385,16 @@ class ShardedOptimizer:
                             psi=psi, group_size=self.shard_group_size, rank=self.shard_rank,
                             param_dtype=self.param_dtype.name, rule=self.rule.name,
                             offloaded=self._offload is not None, host_padding=host_padding,
-                            host_scratch=host_scratch)
+                            host_scratch=host_scratch,
+                            grad_shard_dtype=None if shards is None else grads.dtype.name)
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _allocate(self, layout, dtype, backend_name, threads) -> None:
+    def _allocate(self, layout, dtype, backend_name, threads, staging) -> None:
         xp = self._xp = backend.xp_for(backend_name)
         self._params = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
-        self._grads = backend.zeros(xp, layout.total, dtype)
+        stage2 = self.grad_shard_dtype is not None
+        self._grads = None if stage2 else backend.zeros(xp, layout.total, dtype)
         self._mixed = dtype != FP32
         largest = max(b.shard_size for b in layout.buckets)
         if self.offload:
@@ -346,18 +410,22 @@ class ShardedOptimizer:
                            for name in self.rule.state_names}
             self._kernel = self.rule.kernel(self.kernel, largest)
         self.params = _Views(self._views(self._params), before_read=self.wait)
-        self.grads = _Views(self._views(self._grads))
+        self.grads = _Views(self._views(self._grads)) if not stage2 else _NoFullGradients()
         self._reductions = reductions_for("cupy" if backend_name == "cupy" else self.kernel,
                                           largest)
         # Collectives within the group (reduce-scatter, all-gather) and across the groups (the
         # sum of a shard over its replicas): the whole communicator when there is one group.
         self.shard_comm = self.comm if self.replicas == 1 else self.comm.split(self._replica)
         self.replica_comm = None if self.replicas == 1 else self.comm.split(self.shard_rank)
-        #: The bucket pipeline: readiness, reductions and gathers in flight.
+        exchange = self._mixed and self.reduce_dtype == "float32" and self.shard_group_size > 1
+        #: The bucket pipeline: readiness, reductions and gathers in flight (stage 2: the
+        #: gathers; ``GradientShards`` reduces).
         self.buckets = BucketPipeline(
             layout, self._params, self._grads, self.shard_comm, self.replica_comm,
-            exchange_16bit=self._mixed and self.reduce_dtype == "float32"
-            and self.shard_group_size > 1, reductions=self._reductions)
+            exchange_16bit=exchange and not stage2, reductions=self._reductions)
+        self._grad_shards = None if not stage2 else GradientShards(
+            layout, xp, dtype, self.grad_shard_dtype, self.shard_comm, self.replica_comm,
+            exchange, self._reductions, slots=staging)
         self._pieces = [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets] \
             if self.rule.tensor_sums else None
 
@@ -482,6 +550,20 @@ class _Views(Mapping):
         return len(self._views)
 
 
+class _NoFullGradients(Mapping):
+    """``grads`` with ``shard_gradients``: no rank holds the full gradient to view."""
+
+    def __getitem__(self, name):
+        raise KeyError(f"opt.grads[{name!r}]: with shard_gradients=True no rank holds the full "
+                       "gradient: hand it over with opt.add_grad(name, grad)")
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+
 def with_engine_options(cls):
     """Class decorator for an optimizer of one rule whose ``__init__`` passes ``**engine`` on
     to ``ShardedOptimizer``: its signature (``help()``, ``inspect.signature``) lists the
@@ -514,11 +596,13 @@ class _Setup:
     layout: object
     offload: str | None
     threads: int | None
+    grad_shard_dtype: np.dtype | None
+    staging: int
 
 
 def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_norm,
                reduce_dtype, bucket_elements, cuda_aware, shard_group_size, offload,
-               offload_threads) -> _Setup:
+               offload_threads, stage2) -> _Setup:
     """Check every input, raise any error on every rank, and check that all ranks passed the
     same options and parameters (collectives: on all ranks, before any other)."""
     if isinstance(comm, Communicator):
@@ -544,6 +628,7 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
         max_grad_norm = check_max_grad_norm(max_grad_norm)
         scaler = LossScaler.from_option(loss_scale)
         offload = check_offload(offload, offload_threads)
+        grad_shard_dtype, staging = check_stage2(*stage2, dtype, offload)
         threads = resolve_threads(offload_threads, len(node)) if offload else None
         kernel = "cupy" if backend_name == "cupy" and not offload else resolve_cpu_kernel()
         layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()},
@@ -556,11 +641,12 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
         {**settings, "backend": backend_name,
          "param group options": [group_options(g, rule) for g in groups],
          "reduce_dtype": reduce_dtype, "max_grad_norm": max_grad_norm, "loss_scale": scaler,
-         "bucket_elements": bucket_elements, "shard_group_size": group_size},
+         "bucket_elements": bucket_elements, "shard_group_size": group_size,
+         "grad_shard_dtype": _plain(grad_shard_dtype), "grad_staging": staging},
         "an option", "construct the optimizer with the same arguments on every rank")
     _check_layouts_agree(comm, layout)
     return _Setup(comm, group_size, groups, arrays, dtype, backend_name, kernel, reduce_dtype,
-                  max_grad_norm, scaler, layout, offload, threads)
+                  max_grad_norm, scaler, layout, offload, threads, grad_shard_dtype, staging)
 
 
 def _plain(value):

@@ -103,7 +103,8 @@ class ZeroOptimizer(PassThrough):
         #: The ``StepInfo`` of the last ``step()`` (None before the first).
         self.last_step: StepInfo | None = None
         self._param_views = [self.sharded.params[n] for n in self._names]
-        self._grad_views = [self.sharded.grads[n] for n in self._names]
+        self._grad_views = [] if self.sharded.grad_shard_dtype is not None else \
+            [self.sharded.grads[n] for n in self._names]
         self._dtype = self.sharded.param_dtype
         self._problem: str | None = None   # found by accumulate(), raised by step()
         self._accumulated = False          # gradients added since the last step
@@ -127,7 +128,9 @@ class ZeroOptimizer(PassThrough):
         """Add ``grads`` (a pytree like ``params()``) to the gradient buffer, for gradient
         accumulation over micro-batches; then ``step()``. Waits for JAX to finish computing
         them. Local (no communication): a wrong pytree adds nothing and is raised by the next
-        ``step()`` on every rank. 16-bit parameters accumulate in their own dtype."""
+        ``step()`` on every rank. 16-bit parameters accumulate in their own dtype. With
+        ``shard_gradients`` it hands them over (a micro-batch, reduced as its buckets fill;
+        all ranks)."""
         self._take(grads, "accumulate()")
 
     def step(self, grads=None) -> StepInfo:
@@ -172,14 +175,22 @@ class ZeroOptimizer(PassThrough):
     # -- gradients in ------------------------------------------------------------------------
 
     def _take(self, grads, where: str) -> None:
-        """Check ``grads``, wait for them and add them to the gradient buffer; a problem is
-        kept for ``step()`` (nothing added)."""
-        if self._problem is not None:
+        """Check ``grads``, wait for them and add them to the gradient buffer (with
+        ``shard_gradients``: hand them over); a problem is kept for ``step()`` (nothing
+        added; handed over as zeros, so that every rank reduces the same buckets)."""
+        stage2 = self.sharded.grad_shard_dtype is not None
+        if self._problem is not None and not stage2:
             return
         try:
-            hosts = self._host_grads(grads)
+            hosts = None if self._problem else self._host_grads(grads)
         except (TypeError, ValueError) as exc:
-            self._problem = f"{where}: {exc}"
+            self._problem, hosts = f"{where}: {exc}", None
+        if stage2:
+            hosts = hosts or [np.zeros(v.shape, v.dtype) for v in self._param_views]
+            for name, host in zip(self._names, hosts):
+                self.sharded.add_grad(name, host)
+            return
+        if hosts is None:
             return
         for name, view, host in zip(self._names, self._grad_views, hosts):
             if self._accumulated:

@@ -21,7 +21,8 @@ import numpy as np
 from . import backend
 
 __all__ = ["normalize_groups", "group_options", "group_record", "restore_options",
-           "decay_groups", "check_arrays", "check_reduce_dtype", "check_max_grad_norm"]
+           "decay_groups", "check_arrays", "check_reduce_dtype", "check_max_grad_norm",
+           "check_stage2"]
 
 REDUCE_DTYPES = ("float32", "float16")
 
@@ -149,6 +150,33 @@ def check_reduce_dtype(reduce_dtype, dtype: np.dtype) -> str:
         raise ValueError(f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
                          f"{dtype.name}: use reduce_dtype='float32'")
     return name
+
+
+def check_stage2(shard_gradients, grad_shard_dtype, staging, dtype: np.dtype,
+                 offload) -> tuple[np.dtype | None, int]:
+    """``(the gradient shard's dtype, staging buckets)`` for ``shard_gradients`` (dtype None:
+    stage 1, the full gradient buffer), or a ValueError naming the value and the fix."""
+    if not isinstance(shard_gradients, bool):
+        raise ValueError(f"shard_gradients={shard_gradients!r} must be True (ZeRO stage 2: "
+                         "gradients sharded too) or False")
+    if isinstance(staging, bool) or not isinstance(staging, int) or staging < 1:
+        raise ValueError(f"grad_staging={staging!r} must be an integer >= 1 (staging buckets "
+                         "of gradients; default 2)")
+    if not shard_gradients:
+        if grad_shard_dtype is not None:
+            raise ValueError(f"grad_shard_dtype={grad_shard_dtype!r} sets the gradient shard "
+                             "of shard_gradients=True: pass that too, or drop it")
+        return None, staging
+    if offload is not None:
+        raise ValueError("shard_gradients=True with offload='cpu' is not supported yet: "
+                         "choose one")
+    if grad_shard_dtype is None:
+        return dtype, staging
+    if grad_shard_dtype not in ("float32", np.float32) and \
+            getattr(grad_shard_dtype, "name", None) != "float32":
+        raise ValueError(f"grad_shard_dtype={grad_shard_dtype!r} is not supported: None (the "
+                         "parameters' dtype) or 'float32'")
+    return np.dtype(np.float32), staging
 
 
 def check_max_grad_norm(max_grad_norm) -> float | None:

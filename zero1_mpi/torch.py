@@ -85,6 +85,10 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         **options: the rule's options (``lr``, ``betas``, ``weight_decay``, ...) and the
             engine's (``max_grad_norm``, ``param_dtype``, ``loss_scale``, ``offload``, ...).
             A ``param_dtype`` other than the model's changes the model's parameters to it.
+            ``shard_gradients=True`` (ZeRO stage 2): ``.grad`` is not a view; a hook on each
+            parameter hands it over to its bucket and sets it to None (a parameter without a
+            gradient in a backward is handed over as zeros when that backward ends), and every
+            micro-batch's backward reduces its buckets (``no_sync()`` changes nothing).
     """
 
     def __init__(self, params, rule="adamw", comm=None, *, overlap: bool = False,
@@ -105,19 +109,24 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         self.sharded, self.overlap, self.module, self._sync = sharded, overlap, module, True
         #: The ``StepInfo`` of the last ``step()`` (None before the first).
         self.last_step = None
-        self._binding = {}  # name -> (parameter, its data pointer, its .grad view)
+        #: Stage 2 (``shard_gradients=True``): each ``.grad`` is handed over and dropped.
+        self.sharded_gradients = sharded.grad_shard_dtype is not None
+        self._end_queued = False  # the end-of-backward callback (stage 2)
+        self._binding = {}  # name -> (parameter, its data pointer, its .grad view, pointer)
         for name, p in named.items():  # from here on the model reads and writes the buffers
             p.data = as_tensor(sharded.params[name])
-            grad = as_tensor(sharded.grads[name])
+            grad = None if self.sharded_gradients else as_tensor(sharded.grads[name])
             p.grad = grad
-            self._binding[name] = (p, p.data_ptr(), grad, grad.data_ptr())
+            self._binding[name] = (p, p.data_ptr(), grad, grad is not None and grad.data_ptr())
             setattr(p, OWNER, weakref.ref(self))
         self._hooks = []
         ref = weakref.ref(self)
-        if overlap:
+        if overlap or self.sharded_gradients:
+            method = "_hand_over" if self.sharded_gradients else "_grad_ready"
             for name, p in named.items():
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, name=name: _call(ref, "_grad_ready", name)))
+                    lambda p, name=name: _call(ref, method, name)))
+        if overlap:
             self._hooks.append(module.register_forward_pre_hook(
                 lambda *_: _call(ref, "wait")))
             if hasattr(module, "register_state_dict_pre_hook"):
@@ -141,7 +150,8 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        problem = self._repair_grads() or self._binding_problem()
+        problem = (None if self.sharded_gradients else self._repair_grads()) \
+            or self._binding_problem()
         for group, target in zip(self.param_groups, self.sharded.param_groups):
             for key in self.sharded.rule.options:
                 target[key] = group[key]
@@ -153,7 +163,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         accepted and ignored: the buffer is the gradients' storage, so they stay tensors."""
         self.sharded.zero_grad()
         for p, _, grad, _ in self._binding.values():
-            p.grad = grad
+            p.grad = grad  # (None with shard_gradients)
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_building", False):
@@ -214,6 +224,23 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         for group, source in zip(self.param_groups, self.sharded.param_groups):
             group.update({key: source[key] for key in self.sharded.rule.options})
 
+    def _hand_over(self, name: str) -> None:
+        """The post-accumulate-grad hook (``shard_gradients``): hand the gradient of ``name``
+        over to its bucket and drop it, so torch's gradients do not pile up; at the end of
+        this backward, parameters it gave no gradient are handed over as zeros."""
+        if not self._end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._end_queued = True
+        p = self._binding[name][0]
+        self.sharded.add_grad(name, as_array(p.grad))
+        p.grad = None
+
+    def _end_of_backward(self) -> None:
+        self._end_queued = False
+        for name in self.sharded.missing_grads():
+            p = self._binding[name][0]
+            self.sharded.add_grad(name, as_array(torch.zeros_like(p)))
+
     def _grad_ready(self, name: str) -> None:
         """The post-accumulate-grad hook (``overlap``): the gradient of ``name`` is final for
         this backward; start its bucket's reduction unless inside ``no_sync()``."""
@@ -256,8 +283,9 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
     def _binding_problem(self) -> str | None:
         """A message if a bound parameter no longer lives in the flat buffers."""
         for name, (p, data_ptr, grad, grad_ptr) in self._binding.items():
-            if p.data_ptr() != data_ptr or p.dtype != grad.dtype or p.device != grad.device \
-                    or grad.data_ptr() != grad_ptr:
+            if p.data_ptr() != data_ptr or (grad is not None and (
+                    p.dtype != grad.dtype or p.device != grad.device
+                    or grad.data_ptr() != grad_ptr)):
                 return (f"parameter {name!r} no longer lives in the optimizer's buffers (it is "
                         f"now {p.dtype} on {p.device}: the module was moved with .to(), "
                         ".cuda(), .half(), ..., or p.data was replaced, after ZeroOptimizer "

@@ -78,10 +78,12 @@ CONFIGS = [  # dtype, rule, options, groups (as the adapter takes them, as the r
 VECTORS = ["blocks/1/b", "dense/bias", "pair/0", "pair/1"]
 
 
-def parity():
+def parity(**engine):
+    """``engine``: more options (``stage2`` passes ``shard_gradients``: the gradients are
+    handed over leaf by leaf, the micro-batches summed in an fp32 gradient shard)."""
     for dtype, rule, options, groups, ref_groups in CONFIGS:
         opt = ZeroOptimizer(init_tree(), rule, comm, groups=groups, param_dtype=dtype,
-                            bucket_elements=64, **options)
+                            bucket_elements=64, **options, **engine)
         names = opt.names
         init = flat64(init_tree(), names)
         ref_options = {k: v for k, v in options.items() if k != "momentum" or rule == "sgd"}
@@ -119,7 +121,8 @@ def parity():
         check(list(first[:len(whole)]) == whole and set(whole) <= set(done["aligned"]),
               f"{first}: {done}")
     if rank == 0:
-        print(f"OK jax adapter parity: {len(CONFIGS)} configs x {STEPS} steps on {size} ranks")
+        print(f"OK jax adapter parity{' (stage 2)' if engine else ''}: {len(CONFIGS)} configs "
+              f"x {STEPS} steps on {size} ranks")
 
 
 def expect_error(call, *texts):
@@ -246,4 +249,5 @@ def flax_model():
 
 if __name__ == "__main__":
     for part in sys.argv[1:]:
-        {"parity": parity, "errors": errors, "flax": flax_model}[part]()
+        {"parity": parity, "errors": errors, "flax": flax_model,
+         "stage2": lambda: parity(shard_gradients=True, grad_shard_dtype="float32")}[part]()

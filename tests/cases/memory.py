@@ -3,7 +3,8 @@
     mpiexec -n N python -m mpi4py tests/cases/memory.py DIR
 
 For every update rule (AdamW, SGD with and without momentum, Lion, and LAMB when this
-zero1_mpi has ``ZeroLAMB``), fp32 and bf16 parameters and two model sizes Ψ, on every rank:
+zero1_mpi has ``ZeroLAMB``; AdamW also with gradient sharding, its shard in the parameters'
+dtype or fp32), fp32 and bf16 parameters and two model sizes Ψ, on every rank:
 - what the optimizer holds after a step equals ``memory_report().total`` (within the few KB of
   Python objects around the arrays);
 - the report names the rule's state arrays, its K (bytes per parameter of the sharded part:
@@ -11,8 +12,9 @@ zero1_mpi has ``ZeroLAMB``), fp32 and bf16 parameters and two model sizes Ψ, on
   ranks each state array and the master weights hold 4 bytes per parameter: every byte of
   state in its own category once (none reported as padding);
 - what it holds grows with Ψ exactly as the formula does (2Ψ + 2Ψ + KΨ/N, or 4Ψ + 4Ψ + KΨ/N
-  for fp32), up to the padding of the last bucket: state that is not sharded (an exp_avg of
-  full length, say) grows by Ψ-proportional bytes more and fails;
+  for fp32; with gradient sharding 2Ψ + (G + K)Ψ/N, G the gradient shard's bytes), up to the
+  padding of the last bucket: state that is not sharded (an exp_avg of full length, say)
+  grows by Ψ-proportional bytes more and fails;
 - the excess over the formula (padding and scratch), and padding + scratch as reported, do not
   grow with Ψ.
 And saving and loading a checkpoint, and exporting and importing the consolidated file, never
@@ -48,6 +50,13 @@ RULES = (
     ("sgd", ZeroSGD, {}, (), (0, 4)),
     ("lion", ZeroLion, {}, ("exp_avg",), (4, 8)),
     ("lamb", getattr(zero1_mpi, "ZeroLAMB", None), {}, ("exp_avg", "exp_avg_sq"), (8, 12)),
+    # gradient sharding (stage 2): the gradient shard in the parameters' dtype, or fp32; buckets
+    # small enough that both sizes fill the 2 staging buckets (their scratch is then constant)
+    ("adamw stage 2", ZeroAdamW, {"shard_gradients": True, "bucket_elements": 1 << 16},
+     ("exp_avg", "exp_avg_sq"), (8, 12)),
+    ("adamw stage 2 fp32 shard", ZeroAdamW,
+     {"shard_gradients": True, "grad_shard_dtype": "float32", "bucket_elements": 1 << 16},
+     ("exp_avg", "exp_avg_sq"), (8, 12)),
 )
 
 
@@ -61,9 +70,14 @@ def held_after_a_step(psi, dtype_name, make=ZeroAdamW, options=None):
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    opt = make(init, comm, param_dtype=dtype_name, bucket_elements=1 << 18, **(options or {}))
-    for g in opt.grads.values():
-        g[...] = 1e-3
+    options = {"bucket_elements": 1 << 18, **(options or {})}
+    opt = make(init, comm, param_dtype=dtype_name, **options)
+    if opt.grad_shard_dtype is None:
+        for g in opt.grads.values():
+            g[...] = 1e-3
+    else:  # stage 2: handed over, then dropped
+        for name, shape in list(shapes(psi).items())[::-1]:
+            opt.add_grad(name, np.full(shape, 1e-3, opt.param_dtype))
     opt.step()
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - before
@@ -78,9 +92,15 @@ def check_report_names_the_state(what, psi, report, names, k):
           f"{what}: memory_report().state names {tuple(report.state)}, expected {names}")
     check(report.bytes_per_param == k,
           f"{what}: memory_report().bytes_per_param={report.bytes_per_param}, expected {k}")
-    formula = (stage1_fp32_bytes if report.param_dtype == "float32" else stage1_bytes)
-    check(report.formula_bytes == formula(psi, size, k),
-          f"{what}: formula_bytes={report.formula_bytes}, expected {formula(psi, size, k)}")
+    if report.grad_shard_dtype is None:
+        formula = (stage1_fp32_bytes if report.param_dtype == "float32" else stage1_bytes)
+        expected = formula(psi, size, k)
+    else:  # stage 2: 2Ψ + (G + K)Ψ/N, G the gradient shard's bytes per element
+        param = 4 if report.param_dtype == "float32" else 2
+        grad = 4 if report.grad_shard_dtype == "float32" else 2
+        expected = param * psi + (grad + k) * psi / size
+    check(report.formula_bytes == expected,
+          f"{what}: formula_bytes={report.formula_bytes}, expected {expected}")
     mixed = report.param_dtype != "float32"
     sums = comm.allreduce(np.array([report.master_weights] + [report.state[n] for n in names],
                                    np.int64)).tolist()

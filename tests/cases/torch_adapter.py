@@ -133,9 +133,11 @@ def parity(dtype_name, kind, overlap):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train(overlap=False, accumulate=1, zero_grad_none=False, offset=0):
-    model = make_model()
-    opt = ZeroOptimizer(model, "adamw", comm, lr=LR, max_grad_norm=MAX_NORM, overlap=overlap)
+def train(overlap=False, accumulate=1, zero_grad_none=False, offset=0, model=None,
+          **options):
+    model = model or make_model()
+    opt = ZeroOptimizer(model, "adamw", comm, lr=LR, max_grad_norm=MAX_NORM, overlap=overlap,
+                        **options)
     for step in range(4):
         for micro in range(accumulate):
             x, y = batch(10 * step + micro + offset)
@@ -145,6 +147,8 @@ def train(overlap=False, accumulate=1, zero_grad_none=False, offset=0):
             sync = micro == accumulate - 1 or not overlap
             with (opt.no_sync() if not sync else _nothing()):
                 (loss_of(model, x, y) / (1 if zero_grad_none else accumulate)).backward()
+            if opt.sharded_gradients:  # handed over and dropped: no gradient piles up
+                check(all(p.grad is None for p in model.parameters()), "a .grad was kept")
         opt.step()
     opt.wait()
     return [p.detach().clone() for p in model.parameters()]
@@ -221,6 +225,36 @@ def misuse(tmp):
     check(opt.step_count == 1, f"step_count {opt.step_count} after load")
 
 
+class WithUnused(torch.nn.Module):
+    """The MLP, and a layer whose parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.unused = make_model(), torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def stage2():
+    """shard_gradients=True: each .grad handed over by its hook and dropped; an fp32 model's
+    single micro-batch equals stage 1 bit for bit, overlapped or not, also with a parameter
+    that gets no gradient (handed over as zeros at the end of backward); accumulation is
+    stage 1's within fp32 rounding (the sums over ranks come per micro-batch)."""
+    plain = train()
+    check(same(plain, train(shard_gradients=True)), "stage 2 differs from stage 1")
+    check(same(plain, train(overlap=True, shard_gradients=True)), "overlapped stage 2 differs")
+    unused = train(model=WithUnused())
+    check(same(unused, train(model=WithUnused(), shard_gradients=True)),
+          "stage 2 with an unused parameter differs from stage 1")
+    accumulated = train(accumulate=2)
+    for p, q in zip(accumulated, train(accumulate=2, shard_gradients=True)):
+        check(torch.allclose(p, q, rtol=1e-5, atol=1e-7), "stage 2 accumulation differs")
+    model = make_model()
+    opt = ZeroOptimizer(model, "adamw", comm, shard_gradients=True)
+    raises_everywhere(KeyError, "opt.add_grad(name, grad)", lambda: opt.sharded.grads["0.bias"])
+
+
 def main():
     import sys
     tmp = comm.bcast(sys.argv[1] if len(sys.argv) > 1 else None)
@@ -241,6 +275,7 @@ def main():
     check(same(train(accumulate=2, zero_grad_none=True), train(offset=1)),
           "model.zero_grad() did not discard the first micro-batch's gradients")
     misuse(tmp)
+    stage2()
     if rank == 0:
         print(f"OK torch adapter: {runs} parity runs x {STEPS} steps on {size} ranks")
 

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
 __all__ = ["MemoryReport", "STAGES", "STAGE1_FP32", "MIXED_DTYPES", "FP32_DTYPES",
-           "bytes_per_param", "stage_terms", "baseline_bytes", "stage1_bytes", "stage2_bytes",
+           "bytes_per_param", "stage_terms", "stage_bytes", "baseline_bytes", "stage1_bytes",
+           "stage2_bytes",
            "stage3_bytes", "stage1_fp32_bytes", "format_param_count", "parse_param_count",
            "format_table"]
 
@@ -85,12 +86,15 @@ def _replicated(param_dtype: str) -> tuple[int, int]:
                      f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}")
 
 
-def stage_terms(k=12, param_dtype: str = "float16") -> dict:
+def stage_terms(k=12, param_dtype: str = "float16", grad_dtype: str | None = None) -> dict:
     """``STAGES`` for a rule whose sharded part is ``k`` bytes per parameter, with params and
-    grads of ``param_dtype`` (4 bytes each for float32, whose ``k`` has no master: Adam's 8)."""
+    grads of ``param_dtype`` (4 bytes each for float32, whose ``k`` has no master: Adam's 8);
+    ``grad_dtype``: the gradients' own dtype where it differs (an fp32 gradient shard)."""
     k = _check_k(k)
     param, grad = _replicated(param_dtype)
-    if k == 12 and param == 2:
+    if grad_dtype is not None:
+        grad = _replicated(grad_dtype)[1]
+    if k == 12 and param == 2 and grad == 2:
         return STAGES
     sharded = (4,) * int(k // 4) if k % 4 == 0 else (k,)
     return {"Baseline": ((param, grad) + sharded, ()), "Stage 1": ((param, grad), sharded),
@@ -114,6 +118,17 @@ def baseline_bytes(psi, k=12) -> float:
 def stage1_bytes(psi, n, k=12) -> float:
     """ZeRO stage 1, 16-bit params: 2Ψ + 2Ψ + kΨ/N (Adam: k = 12)."""
     return _per_rank(stage_terms(k)["Stage 1"], psi, n)
+
+
+def stage_bytes(psi, n, stage: int, k=12, param_dtype: str = "float16",
+                grad_dtype: str | None = None) -> float:
+    """Per-rank bytes of ZeRO ``stage`` (0: the baseline, 1, 2 or 3), as ``stage_terms`` gives
+    them: what ``MemoryReport.formula_bytes`` holds stage 2 to, and the table's columns."""
+    names = ("Baseline", "Stage 1", "Stage 2", "Stage 3")
+    if stage not in range(4):
+        raise ValueError(f"stage={stage!r} must be 0 (the baseline), 1, 2 or 3")
+    terms = stage_terms(k, param_dtype, grad_dtype)[names[stage]]
+    return _per_rank(terms, psi, 1 if stage == 0 else n)
 
 
 def stage2_bytes(psi, n, k=12) -> float:
@@ -225,7 +240,9 @@ class MemoryReport:
     for display. ``offloaded``: the master weights and state are on the host (``offload``;
     then fp32 params have a master too), with their padding in ``host_padding``;
     ``host_scratch``: host buffers for device parameters (MPI staging, offload's copies);
-    ``device_bytes`` and ``host_bytes`` split ``total``.
+    ``device_bytes`` and ``host_bytes`` split ``total``. ``grad_shard_dtype``: with gradient
+    sharding (stage 2), the dtype of the gradient shard that ``gradients`` then counts (the
+    real elements this rank owns); None: the full gradient buffer (stage 1).
     """
 
     parameters: int
@@ -242,6 +259,7 @@ class MemoryReport:
     offloaded: bool = False
     host_padding: int = 0
     host_scratch: int = 0
+    grad_shard_dtype: str | None = None
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
@@ -264,6 +282,10 @@ class MemoryReport:
                              f"name such as 'float16'; pass numpy.dtype(d).name")
         if not isinstance(self.offloaded, bool):
             raise ValueError(f"MemoryReport.offloaded={self.offloaded!r} must be True or False")
+        if self.grad_shard_dtype is not None and \
+                self.grad_shard_dtype not in MIXED_DTYPES + FP32_DTYPES:
+            raise ValueError(f"MemoryReport.grad_shard_dtype={self.grad_shard_dtype!r} must be "
+                             f"None (stage 1) or one of {', '.join(MIXED_DTYPES + FP32_DTYPES)}")
         if self.rule is not None and not isinstance(self.rule, str):
             raise ValueError(f"MemoryReport.rule={self.rule!r} must be a rule name such as "
                              f"'adam', or None")
@@ -271,7 +293,7 @@ class MemoryReport:
     def __hash__(self):
         return hash((*(getattr(self, name) for name in _BYTE_FIELDS),
                      frozenset(self.state.items()), self.psi, self.group_size, self.rank,
-                     self.param_dtype, self.rule, self.offloaded))
+                     self.param_dtype, self.rule, self.offloaded, self.grad_shard_dtype))
 
     @property
     def total(self) -> int:
@@ -326,8 +348,12 @@ class MemoryReport:
     @property
     def formula_bytes(self) -> float:
         """The stage-1 formula for this rule and dtype: 2Ψ+2Ψ+KΨ/N (16-bit; Adam 12Ψ/N) or
-        4Ψ+4Ψ+KΨ/N (fp32; Adam 8Ψ/N)."""
+        4Ψ+4Ψ+KΨ/N (fp32; Adam 8Ψ/N); with a gradient shard (stage 2), 2Ψ+(G+K)Ψ/N, G its
+        bytes per element (Adam, 16-bit: 2Ψ+14Ψ/N, or 2Ψ+16Ψ/N for an fp32 shard)."""
         k = self.bytes_per_param
+        if self.grad_shard_dtype is not None:  # the table's Stage 2 column, this rule's K
+            return stage_bytes(self.psi, self.group_size, 2, k, self.param_dtype,
+                               self.grad_shard_dtype)
         if self.param_dtype in FP32_DTYPES:
             return stage1_fp32_bytes(self.psi, self.group_size, k)
         return stage1_bytes(self.psi, self.group_size, k)
@@ -336,6 +362,9 @@ class MemoryReport:
     def formula_label(self) -> str:
         """``2Ψ+2Ψ+12Ψ/N``, ``4Ψ+4Ψ+8Ψ/N``, ...: the formula this report is held to."""
         replicated = "4Ψ+4Ψ" if self.param_dtype in FP32_DTYPES else "2Ψ+2Ψ"
+        if self.grad_shard_dtype is not None:
+            sharded = _replicated(self.grad_shard_dtype)[1] + self.bytes_per_param
+            return f"{replicated.split('+')[0]}+{sharded}Ψ/N"
         if self.offloaded:
             return f"device {replicated}, host {self.bytes_per_param}Ψ/N"
         return f"{replicated}+{self.bytes_per_param}Ψ/N"
