@@ -1,7 +1,7 @@
 """Gradient sharding (``shard_gradients=True``, ZeRO stage 2) on N ranks.
 
 - One micro-batch a step: with an fp32 gradient shard, every rule and dtype equals stage 1 bit
-  for bit (param groups, clipping, a loss scale; dynamic fp16 scaling with an overflow planted on
+  for bit, and so does the default fp16 shard with ``reduce_dtype="float16"`` (param groups, clipping, a loss scale; dynamic fp16 scaling with an overflow planted on
   the last rank; the overlapped step; hierarchical sharding on 4 ranks; a one-bucket staging
   pool with the tensors handed over out of order).
 - Three micro-batches a step: within the parity bound of the float64 reference run on the
@@ -97,9 +97,11 @@ def same(a, b, where):
               f"{where}: {k!r} differs from stage 1 on rank {rank} of {size}")
 
 
-def bitwise_with_stage1(rule, dtype, **engine):
+def bitwise_with_stage1(rule, dtype, shard="fp32", **engine):
+    """``shard``: "fp32" (an fp32 gradient shard), or True (the parameters' dtype: bitwise
+    where the reduction itself is in that dtype, fp16 with ``reduce_dtype="float16"``)."""
     order = engine.pop("order", None)
-    ours, theirs = make(rule, dtype, "fp32", **engine), make(rule, dtype, False, **engine)
+    ours, theirs = make(rule, dtype, shard, **engine), make(rule, dtype, False, **engine)
     for step in range(1, STEPS + 1):
         g = grads_of(rank, step)
         if step == 3 and rank == size - 1 and engine.get("loss_scale") == "dynamic":
@@ -255,6 +257,7 @@ def main(directory: Path):
             near_reference(rule, dtype, "fp32", 3)
             cases += 4
     bitwise_with_stage1("adam", "float16", loss_scale="dynamic")
+    bitwise_with_stage1("adamw", "float16", True, loss_scale=8.0, reduce_dtype="float16")
     bitwise_with_stage1("lamb", "bfloat16", grad_staging=1,
                         order=["mat", "scalar", "long", "empty", "bias", "vec"])
     if size % 2 == 0 and size > 2:
