@@ -100,3 +100,22 @@ def test_the_export_is_a_safetensors_file(tmp_path):
 def test_export_holds_the_reference_state_and_reloads_keep_scaler_and_options(tmp_path, n):
     out = run_mpi(n, "checkpoint_content.py", str(tmp_path), timeout=180).stdout
     assert f"OK checkpoint content on {n} ranks" in out
+
+
+@pytest.mark.mpi_independent
+def test_every_byte_of_a_shard_header_changed_is_a_checkpoint_error(tmp_path):
+    """A changed byte in a shard's .npy header can make NumPy's header parser raise
+    SyntaxError or tokenize.TokenError: load() must turn whatever it is into CheckpointError
+    (raised on every rank by its agreement), never let it escape on one rank."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from zero1_mpi import CheckpointError, ZeroSGD
+    opt = ZeroSGD({"w": np.ones((3, 5), np.float32)}, MPI.COMM_SELF, lr=0.1)
+    shard = opt.save(tmp_path) / "shard-00000.npy"
+    data = shard.read_bytes()
+    header = data.index(b"}") + 1  # the header dict ends here; the data follows the padding
+    for i in range(header):
+        shard.write_bytes(data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:])
+        with pytest.raises(CheckpointError):
+            opt.load(tmp_path)

@@ -207,8 +207,9 @@ def load(opt, path) -> Path:
                 _check_checksum(ckpt, entry)
     except CheckpointError as exc:
         error = exc
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        error = CheckpointError(f"cannot load a checkpoint from {path}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged checkpoint raises, raised
+        # on every rank by agree() (one rank's alone would leave the others waiting)
+        error = CheckpointError(f"cannot load a checkpoint from {path}: {exc!r}")
     comm.agree(error)
     comm.check_same(ckpt.name, "the checkpoint that LATEST names", "do not save into the root "
                     "while loading from it (or pass the checkpoint directory itself)")
@@ -348,8 +349,10 @@ def _check_header(ckpt: Path, entry: dict, rows: int) -> None:
             if reader is None:
                 raise ValueError("unknown .npy version")
             shape, fortran, dtype = reader(f)
-        except ValueError as exc:
-            raise CheckpointError(f"{file} is not a NumPy array file: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a damaged header makes NumPy's parser raise
+            # anything (SyntaxError, tokenize.TokenError, ...): raised here it would escape
+            # the agreement below on this rank alone, and the others would wait for ever
+            raise CheckpointError(f"{file} is not a NumPy array file: {exc!r}") from None
     if (shape, fortran, dtype) != ((rows, count), False, np.dtype("<f4")):
         raise CheckpointError(f"{file} holds a {dtype} array of shape {shape}; the manifest "
                               f"needs float32 of shape {(rows, count)}")
