@@ -15,20 +15,10 @@ from zero1_mpi.memory import MemoryReport
 from zero1_mpi.memory.__main__ import main
 from zero1_mpi.rules.registry import rule_states
 
+from test_memory import SEED_TABLE  # the reference chapter's Out[7]
+
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
-# The reference chapter's Out[7] (seed/zero-stage1-chapter.txt), character by character.
-SEED_TABLE = """\
-Per-GPU memory (GB) for a 7B parameter model
-  GPUs    Baseline    Stage 1    Stage 2    Stage 3
-----------------------------------------------------
-     1      112.0G     112.0G     112.0G     112.0G
-     4      112.0G      49.0G      38.5G      28.0G
-     8      112.0G      38.5G      26.2G      14.0G
-    16      112.0G      33.2G      20.1G       7.0G
-    32      112.0G      30.6G      17.1G       3.5G
-    64      112.0G      29.3G      15.5G       1.8G
-   128      112.0G      28.7G      14.8G       0.9G"""
 SEED_ROW_64 = "    64      112.0G      29.3G      15.5G       1.8G"  # stage 1: "roughly 29.31 GB"
 
 

@@ -35,9 +35,9 @@ try:
     import zero1_mpi  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(ROOT))
-from zero1_mpi.memory import (MemoryReport, format_param_count, format_table, parse_param_count,
-                              stage_bytes)
-from zero1_mpi.memory.__main__ import DEFAULT_MOMENTUM, describe, table_options
+from zero1_mpi.memory import MemoryReport, format_param_count, format_table, stage_bytes
+from zero1_mpi.memory.__main__ import (DEFAULT_MOMENTUM, describe, momentum_arg,
+                                       param_count_arg, table_options)
 from zero1_mpi.rules.registry import builtin_rules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -169,29 +169,12 @@ def _gpu_list(text: str) -> list[int]:
     return counts
 
 
-def _momentum(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a momentum >= 0, e.g. 0.9 or 0")
-    return value
-
-
-def _param_count(text: str) -> int:
-    try:
-        return parse_param_count(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="memory_table.py",
         description="Per-GPU memory of ZeRO stages: the chapter's table, or measured with "
                     "--measure.")
-    parser.add_argument("--params", type=_param_count, default=None,
+    parser.add_argument("--params", type=param_count_arg, default=None,
                         help="parameter count Ψ: 7B, 125M, 1.3e9, 10000 "
                              "(default 7B; 10M with --measure)")
     parser.add_argument("--gpus", type=_gpu_list, default=None,
@@ -200,7 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=tuple(builtin_rules()), default="adam",
                         help="update rule: its bytes per parameter K in the table, the class "
                              "--measure runs (default adam: K = 12)")
-    parser.add_argument("--momentum", type=_momentum, default=None,
+    parser.add_argument("--momentum", type=momentum_arg, default=None,
                         help=f"SGD's momentum (default {DEFAULT_MOMENTUM:g}: K = 8; 0: no "
                              f"momentum buffer, K = 4); only with --optimizer sgd")
     parser.add_argument("--shard-group", type=int, default=None, metavar="K",

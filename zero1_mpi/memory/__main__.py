@@ -25,7 +25,7 @@ from . import (
 )
 
 __all__ = ["DEFAULT_MOMENTUM", "DEFAULT_RANKS", "describe", "formulas", "main",
-           "table_options"]
+           "momentum_arg", "param_count_arg", "table_options"]
 
 #: The reference chapter's table: 7B parameters on these rank counts.
 DEFAULT_PARAMS, DEFAULT_RANKS = 7 * 10**9, (1, 4, 8, 16, 32, 64, 128)
@@ -101,7 +101,7 @@ def formulas(rule: str = "adam", param_dtype: str = "float16",
                                for name, formula, words in rows])
 
 
-def _param_count(text: str) -> int:
+def param_count_arg(text: str) -> int:
     try:
         return parse_param_count(text)
     except ValueError as exc:
@@ -129,7 +129,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _momentum(text: str) -> float:
+def momentum_arg(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
                             "[options]",
         description="Per-rank memory of ZeRO data parallelism (GB = 1e9 bytes): baseline, "
                     "stage 1 (zero1_mpi), and stages 2 and 3 for reference.")
-    parser.add_argument("--params", type=_param_count, default=DEFAULT_PARAMS, metavar="PSI",
+    parser.add_argument("--params", type=param_count_arg, default=DEFAULT_PARAMS, metavar="PSI",
                         help="parameter count Ψ: 7B, 1.5B, 350M, 125000000, 1.3e9 (default 7B)")
     parser.add_argument("--ranks", type=_rank_counts, nargs="+", default=None, metavar="N",
                         help="rank counts, a table row each: 64, or 8 64, or 8,64 (default "
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rule", choices=names, default="adam",
                         help="update rule: its bytes per parameter K of the sharded part "
                              "(default adam: K = 12 on 16-bit params)")
-    parser.add_argument("--momentum", type=_momentum, default=None,
+    parser.add_argument("--momentum", type=momentum_arg, default=None,
                         help=f"SGD's momentum (default {DEFAULT_MOMENTUM:g}; 0: no momentum "
                              f"buffer); only with --rule sgd")
     parser.add_argument("--param-dtype", choices=MIXED_DTYPES + FP32_DTYPES, default="float16",
