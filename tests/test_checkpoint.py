@@ -5,7 +5,9 @@ import re
 import pytest
 
 from mpirun import run_mpi
-from zero1_mpi.checkpoint import plan_reads
+from zero1_mpi.checkpoint import MANIFEST, MANIFEST_DIGEST, plan_reads
+
+MANIFEST_FILES = (MANIFEST, MANIFEST_DIGEST)
 
 RANKS = [1, 2, 3, 4]
 
@@ -28,17 +30,19 @@ def assert_killed_at(moment: str, n: int, out: str) -> None:
     shards = {f"shard-{r:05d}.npy" for r in range(n)}
     tmp = [files.split() for name, files in entries.items() if name.startswith(".tmp-00000005-")]
     new = [files.split() for name, files in entries.items() if name.startswith("ckpt-00000005-")]
-    if moment == "mid-shard":  # the killed (last) rank's file is being written; no manifest
+    complete = shards | set(MANIFEST_FILES)
+    if moment in ("mid-shard", "background"):  # the last rank's file is being written
         assert len(tmp) == 1 and f"shard-{n - 1:05d}.npy" in tmp[0], out
-        assert "manifest.json" not in tmp[0] and not new, out
+        assert not set(MANIFEST_FILES) & set(tmp[0]) and not new, out
     elif moment == "before-rename":  # everything written, not yet renamed into place
-        assert len(tmp) == 1 and set(tmp[0]) == shards | {"manifest.json"} and not new, out
+        assert len(tmp) == 1 and set(tmp[0]) == complete and not new, out
     else:  # renamed into place, but LATEST still names the old checkpoint
-        assert not tmp and len(new) == 1 and set(new[0]) == shards | {"manifest.json"}, out
+        assert not tmp and len(new) == 1 and set(new[0]) == complete, out
 
 
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("moment", ["mid-shard", "before-rename", "before-latest"])
+@pytest.mark.parametrize("moment", ["mid-shard", "background", "before-rename",
+                                    "before-latest"])
 def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, n, moment):
     run_mpi(n, "checkpoint_crash.py", "prepare", str(tmp_path))
     crashed = run_mpi(n, "checkpoint_crash.py", "crash", str(tmp_path), moment, check=False,

@@ -1,14 +1,13 @@
 """Sharded checkpoints: saved without gathering, loaded at any world size, never half-written.
 
-A root directory holds complete checkpoints ``ckpt-<step>-<time>/`` and ``LATEST`` naming the
-current one; a checkpoint is ``manifest.json`` (rule, rows, layout, step, options, loss scaler,
-and each file's ranges, size and SHA-256) plus one float32 ``shard-<k>.npy`` per shard of the
-first shard group, whose rows are the optimizer's ``state_rows`` over the flat ranges it holds.
-Flat positions do not depend on the world size, so any number of ranks loads any checkpoint.
-``save`` publishes by synced atomic renames (a killed job leaves the previous checkpoint
-loadable); ``load`` checks everything it needs before it changes anything. The optimizer is
-read and written through ``shard_state``, ``gather_params`` and ``restore_counters`` only.
-Both must be called on all ranks, with a path every rank sees. Nothing is unpickled.
+A root holds complete checkpoints ``ckpt-<step>-<time>/`` and ``LATEST`` (the current one's name
+and its manifest's SHA-256). A checkpoint is ``manifest.json`` (rule, rows, layout, step,
+options, loss scaler, each file's ranges, size and SHA-256), ``manifest.sha256`` and a float32
+``shard-<k>.npy`` (rows ``state_rows`` over the flat ranges held) per shard of the first group:
+every byte is checked before ``load`` changes anything. Flat positions do not depend on the
+world size. ``save`` publishes by synced atomic renames; ``start_save`` writes from a host copy
+in a thread, published by ``PendingSave.finish``. The optimizer is read and written through
+``shard_state``, ``gather_params`` and ``restore_counters``. All ranks; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ import io
 import json
 import os
 import re
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,16 +29,26 @@ from .backend import to_numpy
 from .params import group_record, restore_options
 from .scaler import LossScaler
 
-__all__ = ["save", "load", "CheckpointError", "read_counters", "check_rule", "resolve",
-           "read_manifest", "check_compatible", "fingerprint", "plan_reads", "CHUNK"]
+__all__ = ["save", "start_save", "PendingSave", "snapshot_shape", "load", "CheckpointError", "read_counters", "check_rule", "resolve",
+           "read_manifest", "check_compatible", "VERSION", "VERSIONS", "fingerprint", "plan_reads", "CHUNK"]
 
 FORMAT = "zero1_mpi.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: manifest.sha256 and the digest in LATEST; 1 (still loaded): neither
+VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+MANIFEST_DIGEST = "manifest.sha256"
 LATEST = "LATEST"
+#: Exactly the keys of a manifest (of each version) and of each of its file entries.
+MANIFEST_KEYS = {2: frozenset({
+    "format", "version", "saved_at", "fingerprint", "world_size", "shard_group_size", "step",
+    "param_dtype", "numel", "rule", "rows", "tensors", "param_groups", "rule_settings",
+    "max_grad_norm", "loss_scaler", "files"})}
+FILE_KEYS = frozenset({"file", "bytes", "sha256", "ranges"})
 CHUNK = 1 << 20  # elements read or written at a time: 4 MiB of float32
 _NAME = re.compile(r"^ckpt-\d{8,}-\d+$")
 _SHARD = re.compile(r"^shard-\d{5,}\.npy$")
+_LATEST = re.compile(r"^(ckpt-\d{8,}-\d+)\n([0-9a-f]{64})\n\Z")  # version 2
+_LATEST_V1 = re.compile(r"^(ckpt-\d{8,}-\d+)\Z")
 
 
 class CheckpointError(ValueError):
@@ -48,6 +59,132 @@ class CheckpointError(ValueError):
 
 def save(opt, path, keep: int | None = None) -> Path:
     """Write a checkpoint of ``opt`` under the root ``path``; return its directory."""
+    root, tmp = _begin(opt, path, keep)
+    info = error = None
+    name = f"shard-{opt.shard_rank:05d}.npy"
+    try:  # one copy of the state: the first shard group writes it (the others replicate it)
+        if _writes(opt):
+            info = {**_write_shard(tmp / name, _shape(opt), _state_chunks(opt)),
+                    "ranges": _ranges(opt)}
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
+    comm = opt.comm
+    comm.agree(error)
+    final, error = _finish(comm, root, tmp, _manifest(opt), info, keep)
+    comm.agree(error)
+    return final
+
+
+class PendingSave:
+    """A checkpoint that ``save(..., blocking=False)`` is writing in the background.
+
+    Each writing rank's shard was copied into a host buffer when the save began; a thread
+    writes and syncs it while training goes on. The checkpoint is published (renamed into
+    place, ``LATEST`` replaced, exactly as ``save`` does) by the first step after every rank's
+    write has finished, or by ``wait()``. ``path``: the checkpoint directory once published;
+    ``error``: the ``CheckpointError`` if it failed (the previous checkpoint stays ``LATEST``).
+    """
+
+    def __init__(self, opt, root: Path, tmp: Path, keep, step: int):
+        self._opt, self.root, self._tmp, self._keep, self.step = opt, root, tmp, keep, step
+        self._manifest = _manifest(opt)  # what the snapshot is of, taken with it
+        self._info = self._write_error = None
+        self._thread = None
+        self.path: Path | None = None
+        self.error: CheckpointError | None = None
+        self.done = False
+
+    def _start(self, snapshot) -> None:
+        name, ranges = f"shard-{self._opt.shard_rank:05d}.npy", _ranges(self._opt)
+
+        def write():
+            try:
+                self._info = {**_write_shard(self._tmp / name, snapshot.shape,
+                                             _snapshot_chunks(snapshot)), "ranges": ranges}
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by finish()
+                self._write_error = CheckpointError(f"cannot write {self._tmp.name}/{name}: "
+                                                    f"{exc}")
+
+        self._thread = threading.Thread(target=write, name="zero1_mpi checkpoint writer")
+        self._thread.start()
+
+    @property
+    def written(self) -> bool:
+        """Whether this rank's part is on disk (or failed): its thread has ended."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def finish(self) -> None:
+        """Wait for this rank's write, then publish on every rank (or record the error on
+        every rank). Must be called on all ranks; a second call does nothing."""
+        if self.done:
+            return
+        if self._thread is not None:
+            self._thread.join()
+        comm = self._opt.comm
+        errors = [e for e in comm.allgather_objects(
+            None if self._write_error is None else str(self._write_error)) if e is not None]
+        if errors:
+            self.error = CheckpointError(f"{errors[0]} [and {len(errors) - 1} more rank(s)]"
+                                         if len(errors) > 1 else errors[0])
+        else:
+            self.path, error = _finish(comm, self.root, self._tmp, self._manifest,
+                                       self._info, self._keep)
+            self.error = None if error is None else CheckpointError(
+                f"{error} [detected on rank 0]")
+        self.done = True
+        if self.error is not None and comm.rank == 0:
+            sys.stderr.write(f"zero1_mpi: the checkpoint of step {self.step} under "
+                             f"{self.root} failed: {self.error}; the previous one stays "
+                             f"{LATEST}\n")
+            sys.stderr.flush()
+
+    def wait(self) -> Path:
+        """Finish the save (all ranks) and return the checkpoint's directory, or raise its
+        ``CheckpointError`` on every rank."""
+        self.finish()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+def start_save(opt, path, keep: int | None, snapshot) -> PendingSave:
+    """Begin a checkpoint of ``opt`` under ``path`` written in the background: copy this
+    rank's shard into ``snapshot`` (a host float32 array of ``snapshot_shape(opt)``, or None on
+    a rank that writes nothing) and start the writer. All ranks."""
+    root, tmp = _begin(opt, path, keep)
+    pending = PendingSave(opt, root, tmp, keep, opt.step_count)
+    if snapshot is not None:
+        with opt.comm.abort_on_error("while copying the shard for a checkpoint"):
+            column = 0
+            for data in _state_chunks(opt, by_row=False):
+                for row, values in enumerate(data):
+                    snapshot[row, column:column + values.size] = values
+                column += data[0].size
+        pending._start(snapshot)
+    return pending
+
+
+def snapshot_shape(opt) -> tuple[int, int] | None:
+    """The host buffer a non-blocking save copies this rank's shard into (None: this rank
+    writes no file: it holds a replica of the first shard group's state)."""
+    return _shape(opt) if _writes(opt) else None
+
+
+def _writes(opt) -> bool:
+    return opt.rank < opt.shard_group_size
+
+
+def _ranges(opt) -> list[list[int]]:
+    return [[lo, hi] for lo, hi, _ in opt.layout.owned(opt.shard_rank)]
+
+
+def _shape(opt) -> tuple[int, int]:
+    owned = opt.layout.owned(opt.shard_rank)
+    return len(opt.state_rows), sum(hi - lo for lo, hi, _ in owned)
+
+
+def _begin(opt, path, keep) -> tuple[Path, Path]:
+    """Check ``keep``, make the hidden directory a save writes into; all ranks."""
     comm, root = opt.comm, Path(path)
     error = tmp_name = None
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -60,25 +197,22 @@ def save(opt, path, keep: int | None = None) -> Path:
         except OSError as exc:
             error = CheckpointError(f"cannot create a checkpoint under {root}: {exc}")
     comm.agree(error)
-    tmp = root / comm.bcast_object(tmp_name)
+    return root, root / comm.bcast_object(tmp_name)
 
-    info = error = None
-    name = f"shard-{opt.shard_rank:05d}.npy"
-    try:  # one copy of the state: the first shard group writes it (the others replicate it)
-        info = _write_shard(opt, tmp / name) if opt.rank < opt.shard_group_size else None
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
-        error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
-    comm.agree(error)
+
+def _finish(comm, root: Path, tmp: Path, manifest: dict, info, keep):
+    """Gather the files' entries, publish on rank 0: ``(directory, None)`` or ``(None, the
+    error rank 0 met)`` on every rank. All ranks, once every file is written and synced."""
     infos = [i for i in comm.gather_objects(info) or [] if i is not None]
-
     final = error = None
     if comm.rank == 0:
         try:
-            final = _publish(opt, root, tmp, infos, keep)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
-            error = CheckpointError(f"cannot publish the checkpoint under {root}: {exc}")
-    comm.agree(error)
-    return root / comm.bcast_object(final)
+            final = _publish(root, tmp, {**manifest, "files": infos}, keep)
+        except Exception as exc:  # noqa: BLE001 - returned to every rank
+            error = f"cannot publish the checkpoint under {root}: {exc}"
+    final, error = comm.bcast_object((final, error))
+    return (None if final is None else root / final), \
+        (None if error is None else CheckpointError(error))
 
 
 def row_views(opt, lo: int, hi: int, state: int) -> list:
@@ -96,34 +230,52 @@ def check_rule(opt, saved_rule, where) -> None:
                               "the rule that saved it")
 
 
-def _write_shard(opt, file: Path) -> dict:
+def _state_chunks(opt, by_row: bool = True):
+    """This rank's state rows over the ranges it owns, in the file's order, at most ``CHUNK``
+    elements at a time: arrays (``by_row``: row by row, as the file holds them) or, else, the
+    list of every row's piece of one chunk of columns."""
     ranges = opt.layout.owned(opt.shard_rank)
-    count = sum(hi - lo for lo, hi, _ in ranges)
+    pieces = [(start, min(hi, start + CHUNK), state + start - lo)
+              for lo, hi, state in ranges for start in range(lo, hi, CHUNK)]
+    if by_row:
+        for row in range(len(opt.state_rows)):
+            for start, stop, state in pieces:
+                yield to_numpy(row_views(opt, start, stop, state)[row])
+    else:
+        for start, stop, state in pieces:
+            yield [to_numpy(view) for view in row_views(opt, start, stop, state)]
+
+
+def _snapshot_chunks(snapshot):
+    for row in snapshot:
+        for start in range(0, row.size, CHUNK):
+            yield row[start:start + CHUNK]
+
+
+def _write_shard(file: Path, shape: tuple[int, int], chunks) -> dict:
+    """Write the float32 array of ``shape`` that ``chunks`` give in order to ``file`` as
+    ``.npy``, synced; return its manifest entry (without ranges: added by the caller)."""
     header = io.BytesIO()
     np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False,
-                                                  "shape": (len(opt.state_rows), count)})
+                                                  "shape": tuple(shape)})
     digest = hashlib.sha256(header.getvalue())
     size = len(header.getvalue())
     with open(file, "wb") as f:
         f.write(header.getvalue())
-        for row in range(len(opt.state_rows)):
-            for lo, hi, state in ranges:
-                for start in range(lo, hi, CHUNK):
-                    stop = min(hi, start + CHUNK)
-                    view = row_views(opt, start, stop, state + start - lo)[row]
-                    data = np.ascontiguousarray(to_numpy(view), dtype="<f4").data
-                    f.write(data)
-                    digest.update(data)
-                    size += data.nbytes
+        for chunk in chunks:
+            data = np.ascontiguousarray(chunk, dtype="<f4").data
+            f.write(data)
+            digest.update(data)
+            size += data.nbytes
         f.flush()
         os.fsync(f.fileno())
-    return {"file": file.name, "bytes": size, "sha256": digest.hexdigest(),
-            "ranges": [[lo, hi] for lo, hi, _ in ranges]}
+    return {"file": file.name, "bytes": size, "sha256": digest.hexdigest()}
 
 
-def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
-    manifest = {
-        "format": FORMAT, "version": VERSION, "saved_at": time.time(),
+def _manifest(opt) -> dict:
+    """The manifest of ``opt`` as it is now, but the files (and the time of writing)."""
+    return {
+        "format": FORMAT, "version": VERSION,
         "fingerprint": fingerprint(opt),
         "world_size": opt.world_size, "shard_group_size": opt.shard_group_size,
         "step": opt.step_count,
@@ -134,14 +286,20 @@ def _publish(opt, root: Path, tmp: Path, infos: list, keep: int | None) -> str:
         "param_groups": [group_record(g, opt.rule) for g in opt.param_groups],
         "rule_settings": opt.rule.settings(),
         "max_grad_norm": opt.max_grad_norm, "loss_scaler": opt.scaler.state(),
-        "files": infos,
     }
-    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def _publish(root: Path, tmp: Path, manifest: dict, keep: int | None) -> str:
+    manifest = {**manifest, "saved_at": time.time()}
+    text = json.dumps(manifest, indent=1).encode()
+    digest = hashlib.sha256(text).hexdigest()
+    _write_synced(tmp / MANIFEST, text)
+    _write_synced(tmp / MANIFEST_DIGEST, f"{digest}  {MANIFEST}\n".encode())
     _sync_dir(tmp)
-    final = f"ckpt-{opt.step_count:08d}-{tmp.name.rsplit('-', 1)[1]}"
+    final = f"ckpt-{manifest['step']:08d}-{tmp.name.rsplit('-', 1)[1]}"
     os.rename(tmp, root / final)
     _sync_dir(root)
-    _write_synced(root / f".{LATEST}.tmp", final.encode())
+    _write_synced(root / f".{LATEST}.tmp", f"{final}\n{digest}\n".encode())
     os.replace(root / f".{LATEST}.tmp", root / LATEST)
     _sync_dir(root)
     _prune(root, final, keep)
@@ -191,8 +349,8 @@ def load(opt, path) -> Path:
     comm = opt.comm
     error = reads = manifest = ckpt = counters = None
     try:
-        ckpt = resolve(Path(path))
-        manifest = read_manifest(ckpt)
+        ckpt, latest_digest = resolve(Path(path))
+        manifest = read_manifest(ckpt, latest_digest)
         check_compatible(opt, manifest, ckpt)
         counters = read_counters(manifest, opt.param_groups, opt.rule, ckpt / MANIFEST)
         if manifest.get("fingerprint") != fingerprint(opt):
@@ -244,48 +402,102 @@ def read_counters(manifest: dict, groups: list, rule, where) -> tuple:
     return step, scaler, options
 
 
-def resolve(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or the one its ``LATEST`` names."""
+def resolve(path: Path) -> tuple[Path, str | None]:
+    """``(the checkpoint directory path names, the manifest digest LATEST gives or None)``:
+    ``path`` itself, or the checkpoint its ``LATEST`` names."""
     if (path / MANIFEST).is_file():
-        return path
+        return path, None
     latest = path / LATEST
     if not latest.is_file():
         raise CheckpointError(f"no checkpoint at {path}: it holds neither {MANIFEST} nor "
                               f"{LATEST} (pass the directory given to save())")
-    name = latest.read_text().strip()
-    if not _NAME.match(name):
-        raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint of this "
-                              "root (expected ckpt-<step>-<time>): it may point outside it")
+    try:
+        text = latest.read_bytes().decode("ascii")
+    except UnicodeDecodeError:
+        text = None
+    found = text is not None and (_LATEST.match(text) or _LATEST_V1.match(text))
+    if not found:
+        raise CheckpointError(f"{latest} holds {text!r}, not the name of a checkpoint of this "
+                              "root and its manifest's SHA-256 (ckpt-<step>-<time>, then 64 "
+                              "hex digits): it is damaged, or points outside the root")
+    name = found.group(1)
     if not (path / name / MANIFEST).is_file():
         raise CheckpointError(f"{latest} names {name!r}, but {path / name / MANIFEST} is "
                               "missing")
-    return path / name
+    return path / name, (found.group(2) if found.re is _LATEST else "")
 
 
-def read_manifest(ckpt: Path) -> dict:
+def read_manifest(ckpt: Path, latest_digest: str | None = None) -> dict:
+    """The manifest of the checkpoint directory ``ckpt``, every byte of it checked: against
+    its ``manifest.sha256`` and ``latest_digest`` (from ``resolve``: None when ``ckpt`` was
+    named directly, ``""`` for a version-1 ``LATEST``), its keys, its files' names and
+    ranges, and the directory name's step."""
     file = ckpt / MANIFEST
     try:
-        manifest = json.loads(file.read_text())
+        data = file.read_bytes()
+        manifest = json.loads(data)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{file} cannot be read as JSON: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a zero1_mpi checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{file} has format version {manifest.get('version')!r}; this "
-                              f"zero1_mpi reads version {VERSION}: load it with the version "
-                              "that wrote it")
-    for entry in manifest["files"]:
-        name = entry["file"]
+    version = manifest.get("version")
+    if version not in VERSIONS or isinstance(version, bool):
+        raise CheckpointError(f"{file} has format version {version!r}; this zero1_mpi reads "
+                              f"versions {', '.join(map(str, VERSIONS))}: load it with the "
+                              "version that wrote it")
+    if version >= 2:
+        _check_manifest_digest(ckpt, hashlib.sha256(data).hexdigest(), latest_digest)
+        keys = set(manifest)
+        if keys != MANIFEST_KEYS[version]:
+            raise CheckpointError(
+                f"{file} has the keys {sorted(keys - MANIFEST_KEYS[version])} that format "
+                f"version {version} does not, and lacks {sorted(MANIFEST_KEYS[version] - keys)}"
+                ": it was not written by save()")
+    elif latest_digest:
+        raise CheckpointError(f"{ckpt.parent / LATEST} gives a manifest digest, but {file} "
+                              "is of format version 1, which has none: LATEST names another "
+                              "checkpoint than the one saved with it")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        raise CheckpointError(f"{file} lists no files")
+    for entry in files:
+        if not isinstance(entry, dict) or (version >= 2 and set(entry) != FILE_KEYS):
+            raise CheckpointError(f"{file}: a file entry must have exactly the keys "
+                                  f"{sorted(FILE_KEYS)}, not {entry!r}")
+        name = entry.get("file")
         if not isinstance(name, str) or not _SHARD.match(name) or Path(name).name != name:
             raise CheckpointError(f"{file} lists the file {name!r}, which is not a shard name "
                                   "(shard-<rank>.npy): it may point outside the checkpoint")
-    covered = sorted((lo, hi) for entry in manifest["files"] for lo, hi in entry["ranges"])
+    covered = sorted((lo, hi) for entry in files for lo, hi in entry["ranges"])
     ends = [0] + [hi for _, hi in covered]
     if [lo for lo, _ in covered] != ends[:-1] or ends[-1] != manifest["numel"] \
             or any(lo >= hi for lo, hi in covered):
         raise CheckpointError(f"{file}: the files' ranges do not cover the "
                               f"{manifest['numel']} parameters exactly once")
+    named = _NAME.match(ckpt.name)
+    if named and int(ckpt.name.split("-")[1]) != manifest.get("step"):
+        raise CheckpointError(f"{ckpt.name} is the directory of step "
+                              f"{int(ckpt.name.split('-')[1])}, but its manifest says step "
+                              f"{manifest.get('step')!r}: one of them was changed")
     return manifest
+
+
+def _check_manifest_digest(ckpt: Path, actual: str, latest_digest: str | None) -> None:
+    """A version-2 manifest's SHA-256 must be the one its ``manifest.sha256`` holds (exactly as
+    ``save`` wrote it) and, loaded through ``LATEST``, the one ``LATEST`` gives."""
+    file = ckpt / MANIFEST_DIGEST
+    try:
+        text = file.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{file} cannot be read ({exc}): the manifest's checksum is "
+                              "missing") from None
+    if text != f"{actual}  {MANIFEST}\n".encode():
+        raise CheckpointError(f"{ckpt / MANIFEST} does not match its checksum in {file}: one "
+                              "of them is corrupted")
+    if latest_digest is not None and latest_digest != actual:
+        raise CheckpointError(f"{ckpt / MANIFEST} does not match the checksum in "
+                              f"{ckpt.parent / LATEST}: one of them is corrupted, or LATEST "
+                              "names another checkpoint than the one saved with it")
 
 
 def check_compatible(opt, manifest: dict, ckpt: Path) -> None:

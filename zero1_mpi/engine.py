@@ -113,6 +113,7 @@ class ShardedOptimizer:
         #: The gradient shard's dtype with ``shard_gradients`` (stage 2), else None.
         self.grad_shard_dtype = setup.grad_shard_dtype
         self.step_count = 0
+        self._pending_save = self._failed_save = self._snapshot = None
         #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
         #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
         #: CuPy work is asynchronous: there the phases are the host's, not the device's.
@@ -234,10 +235,17 @@ class ShardedOptimizer:
             # One Allreduce: the norm (inf/nan if any rank overflowed), whether any rank found
             # a bad option or hand-over, and whether all ranks hold the same options and (stage
             # 2) reduced the buckets in the same order (sums of h and h^2 of a digest).
+            pending = self._pending_save
+            writing = 0.0 if pending is None or pending.written else 1.0
             totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options,
-                      order, order * order]
+                      order, order * order, writing]
             if self.world_size > 1:
                 totals = self.comm.allreduce_sum(totals)
+            if pending is not None and not totals[6]:  # every rank's file is on disk
+                self._pending_save = None
+                pending.finish()  # publishes; a failure is the handle's (and the next save's)
+                if pending.error is not None:
+                    self._failed_save = pending
         agreed_at = clock()
         if totals[1]:
             self.zero_grad()
@@ -329,19 +337,47 @@ class ShardedOptimizer:
         for group, saved in zip(self.param_groups, group_options):
             group.update(saved)
 
-    def save(self, path, keep: int | None = None):
+    def save(self, path, keep: int | None = None, *, blocking: bool = True):
         """Write a sharded checkpoint under the directory ``path`` (each rank writes its own
         shard; the previous checkpoint stays loadable until this one is complete); keep the
         newest ``keep`` checkpoints there (None: all). Must be called on all ranks. Returns
-        the new checkpoint's directory."""
+        the new checkpoint's directory.
+
+        ``blocking=False``: copy this rank's shard into a host buffer (kept for the next
+        non-blocking save, counted in ``memory_report().checkpoint_buffer``), write it from a
+        background thread while training goes on, and publish it as a blocking save does at
+        the first ``step()`` after every rank's write has finished (agreed in that step's one
+        Allreduce). Returns a ``checkpoint.PendingSave``: ``.wait()`` (all ranks) finishes it
+        and returns the directory or raises its ``CheckpointError``. A save, ``load`` or
+        ``close`` first finishes the one in flight, raising its error if it failed."""
+        if blocking not in (True, False):
+            raise ValueError(f"blocking={blocking!r} must be True or False")
         self.wait()
-        return checkpoint.save(self, path, keep)
+        self.finish_save()
+        failed, self._failed_save = self._failed_save, None
+        if failed is not None:  # finished (and failed) at a step: nobody has seen it raise
+            raise failed.error
+        if blocking:
+            return checkpoint.save(self, path, keep)
+        shape = checkpoint.snapshot_shape(self)
+        if shape is not None and (self._snapshot is None or self._snapshot.shape != shape):
+            self._snapshot = np.empty(shape, FP32)
+        self._pending_save = checkpoint.start_save(self, path, keep, self._snapshot)
+        return self._pending_save
+
+    def finish_save(self):
+        """Finish the non-blocking save in flight, if any: wait for every rank's write and
+        publish it. Returns its directory (None if there was none), or raises its
+        ``CheckpointError`` on every rank. Must be called on all ranks."""
+        pending, self._pending_save = self._pending_save, None
+        return None if pending is None else pending.wait()
 
     def load(self, path):
         """Load the checkpoint at ``path`` (the directory given to ``save``, or one checkpoint
         in it), saved at any world size. Must be called on all ranks. Nothing changes if the
         checkpoint is bad: the error is raised on every rank."""
         self.wait()
+        self.finish_save()
         return checkpoint.load(self, path)
 
     def save_consolidated(self, path):
@@ -386,7 +422,9 @@ class ShardedOptimizer:
                             param_dtype=self.param_dtype.name, rule=self.rule.name,
                             offloaded=self._offload is not None, host_padding=host_padding,
                             host_scratch=host_scratch,
-                            grad_shard_dtype=None if shards is None else grads.dtype.name)
+                            grad_shard_dtype=None if shards is None else grads.dtype.name,
+                            checkpoint_buffer=0 if self._snapshot is None
+                            else self._snapshot.nbytes)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@
 
 ``prepare`` trains, saves a good checkpoint and exports its state. ``crash`` loads it, trains
 on and kills one rank (SIGKILL, no cleanup) at ``moment`` of the next save: ``mid-shard``
-(the last rank, halfway through writing its file), ``before-rename`` (rank 0, all files
+(the last rank, halfway through writing its file), ``background`` (the same, in the writer
+thread of a non-blocking save while training goes on), ``before-rename`` (rank 0, all files
 written and synced), ``before-latest`` (rank 0, the new directory in place but LATEST not yet
 replaced). Just before it dies, the killed rank prints ``KILLED at <moment>:`` and what it
 saw on disk there, so the test knows the kill happened at that point and not elsewhere.
@@ -61,7 +62,7 @@ def on_disk(root: Path) -> str:
     for entry in sorted(root.iterdir()):
         if entry.is_dir():
             entries.append(f"{entry.name}/[{' '.join(sorted(f.name for f in entry.iterdir()))}]")
-    latest = (root / checkpoint.LATEST).read_text()
+    latest = (root / checkpoint.LATEST).read_text().splitlines()[0]
     return f"{' '.join(entries)}; LATEST={latest}"
 
 
@@ -89,6 +90,15 @@ def crash(directory, moment):
                 die(moment, on_disk(root))
             return original(*args)
         checkpoint.row_views = dying_row_views
+    elif moment == "background" and rank == size - 1:  # a non-blocking save's writer thread
+        original_chunks = checkpoint._snapshot_chunks
+
+        def dying_chunks(snapshot):
+            for index, chunk in enumerate(original_chunks(snapshot)):
+                if index == 2:
+                    die(moment, on_disk(root))
+                yield chunk
+        checkpoint._snapshot_chunks = dying_chunks
     elif moment == "before-rename" and rank == 0:
         rename = checkpoint.os.rename
 
@@ -105,7 +115,12 @@ def crash(directory, moment):
                 die(moment, on_disk(root))
             replace(src, dst)
         checkpoint.os.replace = dying_replace
-    opt.save(root)
+    if moment == "background":
+        pending = opt.save(root, blocking=False)
+        train(opt, range(5, 8))  # training goes on while the files are written
+        pending.wait()
+    else:
+        opt.save(root)
     print("UNREACHABLE: the save finished on rank", rank, flush=True)
 
 

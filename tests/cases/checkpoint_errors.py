@@ -49,7 +49,7 @@ def copy_of(good: Path, name: str) -> Path:
 
 
 def ckpt_dir(root: Path) -> Path:
-    return root / (root / "LATEST").read_text().strip()
+    return root / (root / "LATEST").read_text().splitlines()[0]
 
 
 def last_shard(root: Path) -> Path:
@@ -57,10 +57,16 @@ def last_shard(root: Path) -> Path:
 
 
 def edit_manifest(root: Path, change):
-    file = ckpt_dir(root) / "manifest.json"
-    manifest = json.loads(file.read_text())
+    """Change the manifest on purpose, and its checksums with it (as a writer that means it
+    would), so that the load gets past them to the check under test."""
+    ckpt = ckpt_dir(root)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
     change(manifest)
-    file.write_text(json.dumps(manifest))
+    text = json.dumps(manifest).encode()
+    (ckpt / "manifest.json").write_bytes(text)
+    digest = hashlib.sha256(text).hexdigest()
+    (ckpt / "manifest.sha256").write_text(f"{digest}  manifest.json\n")
+    (root / "LATEST").write_text(f"{ckpt.name}\n{digest}\n")
 
 
 def set_export_rule(file: Path, rule: str):

@@ -221,7 +221,7 @@ def format_table(params, gpu_counts, k=12, label: str | None = None,
 
 
 _BYTE_FIELDS = ("parameters", "gradients", "master_weights", "padding", "comm_scratch",
-                "host_padding", "host_scratch")
+                "host_padding", "host_scratch", "checkpoint_buffer")
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,8 @@ class MemoryReport:
     ``device_bytes`` and ``host_bytes`` split ``total``. ``grad_shard_dtype``: with gradient
     sharding (stage 2), the dtype of the gradient shard that ``gradients`` then counts (the
     real elements this rank owns); None: the full gradient buffer (stage 1).
+    ``checkpoint_buffer``: the host copy of this rank's shard that non-blocking saves
+    (``save(..., blocking=False)``) write from, once one has run (0 before).
     """
 
     parameters: int
@@ -260,6 +262,7 @@ class MemoryReport:
     host_padding: int = 0
     host_scratch: int = 0
     grad_shard_dtype: str | None = None
+    checkpoint_buffer: int = 0
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
@@ -323,10 +326,11 @@ class MemoryReport:
 
     @property
     def host_bytes(self) -> int:
-        """What the host holds beside the device: ``host_scratch``, and offloaded, the master
+        """What the host holds beside the device: ``host_scratch``, ``checkpoint_buffer``,
+        and offloaded, the master
         weights, the state and their padding (0 for NumPy parameters not offloaded)."""
         sharded = self.optimizer_state if self.offloaded else 0
-        return sharded + self.host_padding + self.host_scratch
+        return sharded + self.host_padding + self.host_scratch + self.checkpoint_buffer
 
     @property
     def device_bytes(self) -> int:
@@ -389,7 +393,8 @@ class MemoryReport:
         rows += list(self.state.items())
         split = self.offloaded or self.host_bytes > 0  # a device and a host side to show
         rows += [(name, getattr(self, name))
-                 for name in _BYTE_FIELDS[3:7 if split else 5] + ("total",)]
+                 for name in _BYTE_FIELDS[3:8 if split else 5] + ("total",)
+                 if name != "checkpoint_buffer" or self.checkpoint_buffer]
         if split:
             rows += [("device", self.device_bytes), ("host", self.host_bytes)]
         for name, value in rows:
