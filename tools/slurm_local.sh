@@ -110,7 +110,7 @@ if [ "$preempt" = 1 ]; then
   job=$(submit --output="$work/job/preempt-%j.out")
   log=$work/job/preempt-$job.out
   for _ in $(seq 300); do  # until it has logged progress twice: mid-run
-    [ "$(grep -c 'ms/step' "$log" 2>/dev/null)" -ge 2 ] && break
+    [ "$(grep -c 'ms/step' "$log" 2>/dev/null || true)" -ge 2 ] 2>/dev/null && break
     sleep 0.5
   done
   scancel --signal=USR1 "$job"

@@ -109,8 +109,12 @@ def train(root: Path, steps: int, signal_at=None, resume=False):
                 check(info.checkpoint.parent == ckpt and info.step == opt.step_count,
                       f"{info}")
                 check(resolve(ckpt) == info.checkpoint, f"LATEST is not {info.checkpoint}")
-                print(f"STOP rank={rank} after_step={step} step_count={info.step} "
-                      f"checkpoint={info.checkpoint.name}", flush=True)
+                stop = (f"STOP rank={rank} after_step={step} step_count={info.step} "
+                        f"checkpoint={info.checkpoint.name}")
+                if rank == 0:  # one writer: launchers may interleave the ranks' lines
+                    print("\n".join(comm.gather(stop)), flush=True)
+                else:
+                    comm.gather(stop)
                 break
     check(not handle.active and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
           f"the handler was not restored: {signal.getsignal(signal.SIGTERM)}")
