@@ -17,6 +17,8 @@ With ``--checkpoint DIR`` it saves a sharded checkpoint every ``--save-every`` s
 end, and starts from the newest checkpoint in ``DIR`` when there is one, on any number of ranks:
 kill a run (``--crash-at-step K`` makes the last rank SIGKILL itself at step K, to try it) and
 launch it again, with the same or another ``-n``, and it goes on where the checkpoint was.
+With ``--checkpoint``, SIGTERM or SIGUSR1 on any rank (Slurm's warning before it kills a job)
+saves a checkpoint after the current step and ends the run cleanly (``checkpoint_on_signal``).
 
 ``python -m mpi4py`` aborts the whole job when one rank raises (otherwise MPICH hangs). With
 ``--dtype float16/bfloat16`` the parameters and gradients are 16-bit: the math below runs in
@@ -177,6 +179,8 @@ losses, skipped = [], 0
 # steps and the last (a tqdm bar instead in a terminal).
 progress = Progress(args.steps, rank, start=start, tokens_per_step=args.batch, unit="examples",
                     every=args.log_every)
+if args.checkpoint:  # the scheduler's warning: a checkpoint at the next step, then stop
+    on_signal = opt.checkpoint_on_signal(args.checkpoint, (signal.SIGTERM, signal.SIGUSR1), 2)
 for step in range(start, args.steps):
     if step == args.crash_at_step and rank == size - 1:
         print(f"crash: rank {rank} kills itself at step {step}", flush=True)
@@ -191,6 +195,9 @@ for step in range(start, args.steps):
     info = opt.step()                            # average grads, sharded AdamW, all-gather
     skipped += info.skipped                      # overflowed fp16 steps (the scale backs off)
     losses.append(comm.allreduce(float(loss)) / size)   # mean over ranks, for the log
+    if info.stop:                                # a signal reached a rank: checkpoint saved
+        print0(f"stopped by a signal after step {step + 1}: saved {info.checkpoint}")
+        break
     if args.checkpoint and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
         opt.save(args.checkpoint, keep=2)
     sync()                                       # the step's time is the device's too

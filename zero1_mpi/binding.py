@@ -9,6 +9,7 @@ ValueError naming the accepted values. ``PassThrough`` gives a binding whose cor
 from __future__ import annotations
 
 import inspect
+import signal
 
 from .engine import ShardedOptimizer
 from .rules import registry
@@ -69,6 +70,11 @@ class PassThrough:
     def load_consolidated(self, path):
         """``ShardedOptimizer.load_consolidated``, in place; all ranks."""
         return self.sharded.load_consolidated(path)
+
+    def checkpoint_on_signal(self, path, signals=(signal.SIGTERM,), keep: int | None = None):
+        """``ShardedOptimizer.checkpoint_on_signal``: a signal on any rank becomes a checkpoint
+        and ``stop=True`` at the next step (``last_step.stop``); all ranks, main thread."""
+        return self.sharded.checkpoint_on_signal(path, signals, keep)
 
     def memory_report(self):
         """``ShardedOptimizer.memory_report``: the bytes this rank holds, by category."""

@@ -14,13 +14,15 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
-from . import backend, checkpoint, export
+from . import backend, checkpoint, export, preemption
 from .buckets import BucketPipeline
 from .comm import CollectiveError, Communicator
 from .grad_shards import DEFAULT_SLOTS, GradientShards
@@ -48,6 +50,8 @@ class StepInfo:
     loss_scale: float      # the scale the gradients of this step were multiplied by
     clip_coef: float       # the factor clipping applied (1.0 when it did not clip)
     step: int              # optimizer steps taken so far (skipped ones not counted)
+    stop: bool = False     # a signal of checkpoint_on_signal arrived: checkpoint saved, stop
+    checkpoint: Path | None = None  # the checkpoint saved after this step, when ``stop``
 
 
 class ShardedOptimizer:
@@ -114,6 +118,7 @@ class ShardedOptimizer:
         self.grad_shard_dtype = setup.grad_shard_dtype
         self.step_count = 0
         self._pending_save = self._failed_save = self._snapshot = None
+        self._on_signal = None  # the SignalCheckpoint of checkpoint_on_signal, once called
         #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
         #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
         #: CuPy work is asynchronous: there the phases are the host's, not the device's.
@@ -235,13 +240,16 @@ class ShardedOptimizer:
             # One Allreduce: the norm (inf/nan if any rank overflowed), whether any rank found
             # a bad option or hand-over, and whether all ranks hold the same options and (stage
             # 2) reduced the buckets in the same order (sums of h and h^2 of a digest).
+            # Then: whether a signal of checkpoint_on_signal is pending on this rank, and
+            # whether its part of a non-blocking save is still being written.
+            asked = self._on_signal.poll() if self._on_signal is not None else 0
             pending = self._pending_save
             writing = 0.0 if pending is None or pending.written else 1.0
             totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options,
-                      order, order * order, writing]
+                      order, order * order, 1.0 if asked else 0.0, writing]
             if self.world_size > 1:
                 totals = self.comm.allreduce_sum(totals)
-            if pending is not None and not totals[6]:  # every rank's file is on disk
+            if pending is not None and not totals[7]:  # every rank's file is on disk
                 self._pending_save = None
                 pending.finish()  # publishes; a failure is the handle's (and the next save's)
                 if pending.error is not None:
@@ -272,7 +280,8 @@ class ShardedOptimizer:
                     "nothing was updated. Check the loss for divergence, lower the learning "
                     "rate, or use loss_scale='dynamic' (fp16)")
             self.scaler = self.scaler.update(overflow=True)
-            return StepInfo(grad_norm, True, scale, 1.0, self.step_count)
+            return self._stop_if_asked(StepInfo(grad_norm, True, scale, 1.0, self.step_count),
+                                       totals[6], asked)
 
         clip = 1.0
         if self.max_grad_norm is not None:
@@ -306,7 +315,40 @@ class ShardedOptimizer:
                                   "update": update, "gather": gather}
         self.step_count += 1
         self.scaler = self.scaler.update(overflow=False)
-        return StepInfo(grad_norm, False, scale, clip, self.step_count)
+        return self._stop_if_asked(StepInfo(grad_norm, False, scale, clip, self.step_count),
+                                   totals[6], asked)
+
+    def checkpoint_on_signal(self, path, signals=(signal.SIGTERM,), keep: int | None = None
+                             ) -> preemption.SignalCheckpoint:
+        """Turn ``signals`` (default SIGTERM, which Slurm sends before it kills a job; a
+        signal, its name, or a tuple) received on any rank into a checkpoint at the next step
+        boundary: the first ``step()`` whose ``Allreduce`` follows the signal updates (or
+        skips) as usual, then saves ``save(path, keep)`` on every rank and returns
+        ``StepInfo(stop=True, checkpoint=<the new directory>)``: ``if info.stop: break``.
+        Must be called on all ranks, from the main thread; returns a ``SignalCheckpoint``
+        whose ``close()`` (or ``with`` block) restores the previous handlers. A bad argument
+        (an unknown or uncatchable signal, ``keep``, another thread) raises on every rank."""
+        error = None
+        try:
+            if self._on_signal is not None and self._on_signal.active:
+                raise ValueError(f"checkpoint_on_signal() is already active "
+                                 f"({self._on_signal!r}): close() it first")
+            path, signals = preemption.check_arguments(path, signals, keep)
+        except ValueError as exc:
+            error = exc
+        self.comm.agree(error)
+        self.comm.check_same({"path": path, "signals": [s.name for s in signals], "keep": keep},
+                             "checkpoint_on_signal's", "pass the same arguments on every rank")
+        self._on_signal = preemption.SignalCheckpoint(path, signals, keep)
+        return self._on_signal
+
+    def _stop_if_asked(self, info: StepInfo, asked_anywhere: float, asked: int) -> StepInfo:
+        """``info``, or once a signal reached any rank: the checkpoint saved, ``stop=True``."""
+        if not asked_anywhere:
+            return info
+        where = self.save(self._on_signal.path, self._on_signal.keep)
+        self._on_signal.answered(asked)
+        return replace(info, stop=True, checkpoint=where)
 
     # -- the sharded state, as checkpoints and exports read and write it ---------------------
 
