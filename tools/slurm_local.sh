@@ -120,7 +120,7 @@ if [ "$preempt" = 1 ]; then
   stopped=$(grep -o 'stopped by a signal after step [0-9]*' "$log" | grep -o '[0-9]*$') \
     || { echo "slurm_local: FAIL: the job did not stop on the signal"; exit 1; }
   [ "$stopped" -lt "$steps" ] || { echo "slurm_local: FAIL: the signal came too late"; exit 1; }
-  latest=$(cat "$ckpt/LATEST")
+  latest=$(head -n 1 "$ckpt/LATEST")
   [ "${latest:0:13}" = "$(printf 'ckpt-%08d' "$stopped")" ] \
     || { echo "slurm_local: FAIL: LATEST is $latest, not step $stopped's"; exit 1; }
   state=$(sacct -n -X -j "$job" -o State 2>/dev/null | head -n 1 | tr -d ' ' || true)

@@ -346,6 +346,8 @@ class ShardedOptimizer:
         """``info``, or once a signal reached any rank: the checkpoint saved, ``stop=True``."""
         if not asked_anywhere:
             return info
+        self._failed_save = None  # an earlier non-blocking save's failure (printed) must not
+        # stop this checkpoint: the job is about to end
         where = self.save(self._on_signal.path, self._on_signal.keep)
         self._on_signal.answered(asked)
         return replace(info, stop=True, checkpoint=where)

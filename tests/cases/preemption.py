@@ -108,7 +108,7 @@ def train(root: Path, steps: int, signal_at=None, resume=False):
                 check(names == [names[0]] * size, f"checkpoint names differ: {names}")
                 check(info.checkpoint.parent == ckpt and info.step == opt.step_count,
                       f"{info}")
-                check(resolve(ckpt) == info.checkpoint, f"LATEST is not {info.checkpoint}")
+                check(resolve(ckpt)[0] == info.checkpoint, f"LATEST is not {info.checkpoint}")
                 stop = (f"STOP rank={rank} after_step={step} step_count={info.step} "
                         f"checkpoint={info.checkpoint.name}")
                 if rank == 0:  # one writer: launchers may interleave the ranks' lines
