@@ -102,7 +102,8 @@ def training_worker(psi: int, dtype: str, directory: Path, steps: int) -> None:
         return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
     step()
-    opt.save(directory / "warm-up", keep=1)  # the first write of a file system's blocks
+    opt.save(directory / "warm-up", keep=1)  # the first write of a file system's blocks, and
+    opt.save(directory / "warm-up", keep=1, blocking=False).wait()  # the host copy's pages
     plain = [step() for _ in range(steps)]
     blocking = timed(lambda: opt.save(directory / "ckpt", keep=1))
     pending = []
