@@ -3,7 +3,8 @@
 ``optimizer_class(rule)`` turns the ``rule`` argument of their ``ZeroOptimizer`` (an optimizer
 class, or a rule's name) into the ``ShardedOptimizer`` subclass to build, or raises TypeError /
 ValueError naming the accepted values. ``PassThrough`` gives a binding whose core optimizer is
-``self.sharded`` the core's checkpoints, memory report and counters. No framework imported.
+``self.sharded`` the core's checkpoints, memory report, counters and ``close()``. No
+framework imported.
 """
 
 from __future__ import annotations
@@ -75,6 +76,20 @@ class PassThrough:
         """``ShardedOptimizer.checkpoint_on_signal``: a signal on any rank becomes a checkpoint
         and ``stop=True`` at the next step (``last_step.stop``); all ranks, main thread."""
         return self.sharded.checkpoint_on_signal(path, signals, keep)
+
+    def close(self) -> None:
+        """``ShardedOptimizer.close``: complete what is in flight and free the communicators,
+        requests, threads and buffers; later use raises naming close(). Idempotent; all
+        ranks. ``with ZeroOptimizer(...) as opt:`` calls it when the block ends."""
+        self.sharded.close()
+
+    def __enter__(self):
+        self.sharded.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        self.close()
+        return False
 
     def memory_report(self):
         """``ShardedOptimizer.memory_report``: the bytes this rank holds, by category."""

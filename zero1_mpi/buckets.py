@@ -59,7 +59,8 @@ class BucketPipeline:
         self._gathers = []
         self._new_round()
         # Persistent requests hold these buffers: free them when the pipeline goes.
-        weakref.finalize(self, shard_comm.close, [params, grads, self._received])
+        self._release = weakref.finalize(self, shard_comm.close,
+                                         [params, grads, self._received])
 
     @property
     def started(self) -> tuple[int, ...]:
@@ -75,6 +76,12 @@ class BucketPipeline:
     def scratch_bytes(self) -> int:
         """Bytes of the receive slots (16-bit exchanges only)."""
         return 0 if self._received is None else self._received.nbytes
+
+    def close(self) -> None:
+        """Complete and free the persistent requests on this pipeline's buffers (what its
+        collection would do); idempotent. Must be called on all ranks, with nothing in
+        flight."""
+        self._release()
 
     def check_ready(self, names) -> list[str]:
         """Return ``names`` (a name or an iterable of names) as a list, or raise KeyError for

@@ -210,7 +210,7 @@ class Communicator:
 
     def __init__(self, comm=None, *, cuda_aware: bool | None = None,
                  persistent: bool | None = None, device_started: bool | None = None,
-                 stage_host: bool = False):
+                 stage_host: bool = False, _agreed: bool = False):
         comm = MPI.COMM_WORLD if comm is None else comm
         if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
             raise ValueError("comm=MPI.COMM_NULL cannot communicate: pass a communicator this "
@@ -219,6 +219,8 @@ class Communicator:
             raise TypeError(f"comm={comm!r} is not an mpi4py intracommunicator: pass "
                             "MPI.COMM_WORLD, a communicator made from it with Split/Dup, or None")
         self._comm = comm  # the only reference to the mpi4py object: used here alone
+        #: Whether this Communicator made ``comm`` (``split``), so that ``free`` frees it.
+        self.owns_comm = False
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
@@ -238,6 +240,8 @@ class Communicator:
                 resolve_device_started(device_started)
         except (TypeError, ValueError) as exc:  # a setting of one rank's environment
             error = exc
+        if _agreed:  # split: the settings of a communicator whose ranks agreed on them
+            return
         self.agree(error)
         # A persistent collective matches only persistent ones, and staging or a blocking
         # device collective turns a started one into a blocking one: the same on every rank.
@@ -390,10 +394,18 @@ class Communicator:
 
     def split(self, color: int) -> Communicator:
         """The ranks passing the same ``color``, in this communicator's rank order, as a
-        ``Communicator`` with this one's settings. Must be called on all ranks."""
-        return Communicator(self._comm.Split(color, self.rank), cuda_aware=self.cuda_aware,
-                            persistent=self.persistent, device_started=self.device_started,
-                            stage_host=self.stage_host)
+        ``Communicator`` with this one's settings, which owns its MPI communicator: call its
+        ``free()`` (on all of its ranks) when done with it. Must be called on all ranks."""
+        made = self._comm.Split(color, self.rank)
+        try:
+            sub = Communicator(made, cuda_aware=self.cuda_aware, persistent=self.persistent,
+                               device_started=self.device_started, stage_host=self.stage_host,
+                               _agreed=True)
+        except BaseException:
+            made.Free()
+            raise
+        sub.owns_comm = True
+        return sub
 
     def node_ranks(self) -> list[int]:
         """The ranks of this communicator that share this rank's memory (its node), from
@@ -495,6 +507,26 @@ class Communicator:
                 request.Wait()  # MPI may not free an active request; inactive: returns at once
                 request.Free()
 
+    @property
+    def freed(self) -> bool:
+        """Whether ``free()`` has run: the communicator can no longer be used."""
+        return isinstance(self._comm, _Freed)
+
+    def free(self) -> None:
+        """Release what this communicator holds: its persistent requests (completed, then
+        freed), its staging buffers, and the MPI communicator itself where this
+        ``Communicator`` made it (``split``, ``owns_comm``); one it was given
+        (``MPI.COMM_WORLD``, a user's ``Split``/``Dup``) stays valid, for its owner to free.
+        Any later collective on this ``Communicator`` raises RuntimeError naming ``free()``.
+        Idempotent. Must be called on all ranks (``MPI_Comm_free`` is collective)."""
+        if self.freed:
+            return
+        self.close()
+        self._staging.clear()
+        comm, self._comm = self._comm, _Freed(type(self).__name__)
+        if self.owns_comm:
+            comm.Free()
+
     # -- staging -------------------------------------------------------------------------------
 
     def _host_view(self, buf, role: str, copy_in: bool = True, copy_out: bool = True):
@@ -540,6 +572,18 @@ class Request:
 
 
 DONE = Request()  # what a blocking fallback returns
+
+
+class _Freed:
+    """Stands in for the mpi4py communicator of a freed ``Communicator``: any use raises."""
+
+    def __init__(self, owner: str):
+        self._owner = owner
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"this {self._owner} was freed (free(), or the close() of the "
+                           f"optimizer that made it), so it cannot run {name}: build a new "
+                           "one (or a new optimizer)")
 
 
 def _address(buf) -> int:

@@ -100,6 +100,8 @@ class ShardedOptimizer:
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
                  shard_group_size=None, offload=None, offload_threads=None,
                  shard_gradients=False, grad_shard_dtype=None, grad_staging=DEFAULT_SLOTS):
+        # close() frees a communicator built here; one passed in stays its caller's.
+        self._owns_comm, self.closed = not isinstance(comm, Communicator), False
         setup = _configure(params, comm, rule, defaults, param_dtype, loss_scale,
                            max_grad_norm, reduce_dtype, bucket_elements, cuda_aware,
                            shard_group_size, offload, offload_threads,
@@ -470,6 +472,61 @@ class ShardedOptimizer:
                             checkpoint_buffer=0 if self._snapshot is None
                             else self._snapshot.nbytes)
 
+    def close(self) -> None:
+        """Release what this optimizer holds, for long runs that build many: complete the
+        collectives in flight (the all-gathers ``step(wait=False)`` left; reductions that
+        ``grads_ready``/``add_grad`` started, whose gradients are dropped), free the persistent
+        requests on its buffers, the two sub-communicators of hierarchical sharding
+        (``shard_group_size`` < N), the ``Communicator`` it built (one passed in stays the
+        caller's, for the caller to ``free()``) and the offload threads, finish a non-blocking
+        save in flight, restore ``checkpoint_on_signal``'s signal handlers, and drop its
+        buffers (views of them kept elsewhere keep only their memory alive). Afterwards every public
+        method (``step``, ``add_grad``, ``save``, ...) and ``params``/``grads`` raise
+        RuntimeError naming ``close()``. Idempotent. Must be called on all ranks, like
+        ``step()``. ``with ZeroAdamW(...) as opt:`` calls it when the block ends, also on an
+        exception (one raised on every rank, as this package's are)."""
+        if self.closed:
+            return
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:  # published, or its failure printed and left in the handle
+            pending.finish()
+        if self._on_signal is not None:  # the previous signal handlers come back
+            self._on_signal.close()
+        self._snapshot = self._failed_save = None
+        with self.comm.abort_on_error("in close() while completing the collectives in flight"):
+            self.wait()
+            if self._grad_shards is not None:
+                self._grad_shards.zero()
+            elif self.buckets.started:
+                self.buckets.discard()
+            self.buckets.close()
+            if self._grad_shards is not None:
+                self._grad_shards.close()
+            if isinstance(self._kernel, ThreadedKernel):
+                self._kernel.close()
+        for sub in () if self.replicas == 1 else (self.shard_comm, self.replica_comm):
+            sub.free()
+        if self._owns_comm:
+            self.comm.free()
+        self.closed = True
+        name = type(self).__name__
+        for method, _ in inspect.getmembers(type(self), inspect.isfunction):
+            if not method.startswith("_") and method != "close":
+                setattr(self, method, _closed_method(name, method))  # shadows the method
+        self.params = self.grads = _ClosedViews(name)
+        self.buckets = self._grad_shards = self._kernel = self._offload = self._pieces = None
+        self._params = self._grads = self._master = self._reductions = None
+        self._state = {}
+
+    def __enter__(self):
+        if self.closed:
+            _closed_method(type(self).__name__, "__enter__")()
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        self.close()
+        return False
+
     # -- internals ---------------------------------------------------------------------------
 
     def _allocate(self, layout, dtype, backend_name, threads, staging) -> None:
@@ -644,6 +701,35 @@ class _NoFullGradients(Mapping):
 
     def __len__(self):
         return 0
+
+
+def _closed_error(owner: str, what: str) -> RuntimeError:
+    return RuntimeError(f"{owner}.{what}: this optimizer was closed (close(), or the end of its "
+                        "with-block), which released its buffers and communicators: build a "
+                        "new optimizer (a checkpoint saved before close() loads into it)")
+
+
+def _closed_method(owner: str, method: str):
+    """What a closed optimizer's ``method`` becomes: a callable raising ``_closed_error``."""
+    def closed(*args, **kwargs):
+        raise _closed_error(owner, f"{method}()")
+    return closed
+
+
+class _ClosedViews(Mapping):
+    """``params`` and ``grads`` of a closed optimizer: any lookup raises ``_closed_error``."""
+
+    def __init__(self, owner: str):
+        self._owner = owner
+
+    def __getitem__(self, name):
+        raise _closed_error(self._owner, f"params/grads[{name!r}]")
+
+    def __iter__(self):
+        raise _closed_error(self._owner, "params/grads")
+
+    def __len__(self):
+        raise _closed_error(self._owner, "params/grads")
 
 
 def with_engine_options(cls):

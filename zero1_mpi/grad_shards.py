@@ -66,7 +66,12 @@ class GradientShards:
                 self._tensor_buckets[name].append(bucket)
         self._new_step()
         # Persistent requests hold the slots: free them when this goes.
-        weakref.finalize(self, shard_comm.close, [self._slots, self._received])
+        self._release = weakref.finalize(self, shard_comm.close, [self._slots, self._received])
+
+    def close(self) -> None:
+        """Complete and free the persistent requests on the staging slots (what collection
+        would do); idempotent. Must be called on all ranks, with nothing in flight."""
+        self._release()
 
     @property
     def scratch_bytes(self) -> int:

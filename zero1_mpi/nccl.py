@@ -63,6 +63,16 @@ class NcclCommunicator(Communicator):
                                          "NCCL's communicator initialisation")
         self.stream = backend.xp_for("cupy").cuda.Stream(non_blocking=True)
 
+    def free(self) -> None:
+        """``Communicator.free``, after completing the work queued on this communicator's
+        stream and destroying the NCCL communicator (``ncclCommDestroy``); idempotent. Must
+        be called on all ranks."""
+        if self.nccl is not None:
+            self.stream.synchronize()
+            self.nccl.destroy()
+            self.nccl = self.stream = None
+        super().free()
+
     def split(self, color: int) -> Communicator:
         """Not available: raises NotImplementedError (an NCCL communicator per group is not
         built yet)."""

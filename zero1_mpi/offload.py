@@ -76,6 +76,12 @@ class ThreadedKernel:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zero1-offload")
             weakref.finalize(self, self._pool.shutdown, wait=False)
 
+    def close(self) -> None:
+        """Shut the threads down, waiting for them to exit (collection does the same without
+        waiting); idempotent. The kernel cannot run afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
     @property
     def threads(self) -> int:
         return len(self._kernels)

@@ -207,7 +207,8 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
     def unbind(self) -> None:
         """Give the parameters back: each becomes an independent tensor holding its current
         values (``.grad`` None), the hooks are removed, and this optimizer can no longer
-        step. Another ``ZeroOptimizer`` may then bind them."""
+        step. Another ``ZeroOptimizer`` may then bind them. The core's communicators and
+        buffers stay until it is collected: ``close()`` unbinds and frees them."""
         self.wait()
         for handle in self._hooks:
             handle.remove()
@@ -216,7 +217,18 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             p.grad = None
             delattr(p, OWNER)
         self._hooks, self._binding = [], {}
-        self.sharded = None
+        self._unbound, self.sharded = self.sharded, None
+
+    def close(self) -> None:
+        """Give the parameters back (``unbind``) and close the core optimizer
+        (``ShardedOptimizer.close``: communicators, requests, threads and buffers freed);
+        later steps raise naming close(). Idempotent; must be called on all ranks.
+        ``with ZeroOptimizer(...) as opt:`` calls it when the block ends."""
+        sharded = self.sharded or getattr(self, "_unbound", None)
+        if self._binding:
+            self.unbind()
+        self.sharded = sharded  # closed: its methods raise, naming close()
+        sharded.close()
 
     # -- the binding -------------------------------------------------------------------------
 
