@@ -8,6 +8,7 @@ GROUP: ``shard_group_size`` (hierarchical: the replicas write nothing and hold n
 """
 
 import hashlib
+import signal
 import sys
 import threading
 import time
@@ -128,6 +129,13 @@ def main(directory: Path, group):
     check(latest(root).startswith("ckpt-00000012-"))
     raises(ValueError, "blocking='no' must be True or False",
            lambda: opt.save(root, blocking="no"))
+    # close() publishes the save in flight and gives the signal handlers back.
+    previous = signal.getsignal(signal.SIGUSR2)
+    opt.checkpoint_on_signal(directory / "signal", signals=("SIGUSR2",))
+    last = opt.save(root, blocking=False)
+    opt.close()
+    check(last.done and last.error is None and latest(root) == last.path.name, last.error)
+    check(signal.getsignal(signal.SIGUSR2) is previous, "SIGUSR2's handler was not restored")
     if rank == 0:
         print(f"OK non-blocking saves on {size} ranks, shard_group_size={opt.shard_group_size}")
 
