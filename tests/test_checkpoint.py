@@ -57,7 +57,7 @@ def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, n, m
 @pytest.mark.parametrize("n", RANKS)
 def test_bad_checkpoints_are_refused_on_every_rank(tmp_path, n):
     out = run_mpi(n, "checkpoint_errors.py", str(tmp_path), timeout=120).stdout
-    assert f"OK bad checkpoints: 15 cases on {n} ranks" in out
+    assert f"OK bad checkpoints: 17 cases on {n} ranks" in out
 
 
 def test_plan_reads_maps_saved_ranges_onto_owned_ones():

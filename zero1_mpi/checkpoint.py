@@ -411,11 +411,12 @@ def resolve(path: Path) -> tuple[Path, str | None]:
     if not latest.is_file():
         raise CheckpointError(f"no checkpoint at {path}: it holds neither {MANIFEST} nor "
                               f"{LATEST} (pass the directory given to save())")
+    data = latest.read_bytes()
     try:
-        text = latest.read_bytes().decode("ascii")
+        text = data.decode("ascii")
     except UnicodeDecodeError:
-        text = None
-    found = text is not None and (_LATEST.match(text) or _LATEST_V1.match(text))
+        text = data  # shown as bytes in the message
+    found = isinstance(text, str) and (_LATEST.match(text) or _LATEST_V1.match(text))
     if not found:
         raise CheckpointError(f"{latest} holds {text!r}, not the name of a checkpoint of this "
                               "root and its manifest's SHA-256 (ckpt-<step>-<time>, then 64 "

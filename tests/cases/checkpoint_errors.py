@@ -90,6 +90,15 @@ def flip_byte(file: Path):
     file.write_bytes(bytes(data))
 
 
+def flip_in(file: Path, after: bytes):
+    """Change the digit that follows ``after`` (in the manifest, a number load() reads nowhere
+    but in its checksum; in LATEST, the manifest's digest)."""
+    data = bytearray(file.read_bytes())
+    at = data.index(after) + len(after)
+    data[at] = ord("1") if data[at] != ord("1") else ord("2")
+    file.write_bytes(bytes(data))
+
+
 def expect_error(opt, load, words):
     before = digest(opt)
     try:
@@ -138,6 +147,10 @@ def main(directory: Path):
          ["LATEST", "'../../etc'", "outside"])
     case("no-manifest", lambda r: (ckpt_dir(r) / "manifest.json").write_text("{not json"),
          ["manifest.json", "JSON"])
+    case("manifest-byte", lambda r: flip_in(ckpt_dir(r) / "manifest.json", b'"saved_at": '),
+         ["manifest.json", "does not match its checksum"])
+    case("latest-digest", lambda r: flip_in(r / "LATEST", b"\n"),
+         ["manifest.json", "LATEST", "corrupted"])
     case("other-shapes", lambda r: None, ["'w' with shape (40, 30)", "(30, 40)"],
          target=make({"w": (30, 40), "b": (30,)}))
     case("other-names", lambda r: None, ["'b'", "'c'"], target=make({"w": (40, 30), "c": (30,)}))
