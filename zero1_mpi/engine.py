@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import math
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from .params import (check_arrays, check_max_grad_norm, check_reduce_dtype, chec
 from .reductions import reductions_for, resolve_cpu_kernel
 from .rules import missing_members
 from .scaler import LossScaler
+from .watchdog import Watchdog, check_step_timeout, watched
 
 __all__ = ["ShardedOptimizer", "StepInfo", "with_engine_options", "resolve_shard_group_size"]
 
@@ -89,17 +91,22 @@ class ShardedOptimizer:
             parameters') or ``"float32"`` (16-bit parameters: the exact fp32 sums, 2 bytes a
             parameter more per rank over N).
         grad_staging: staging buckets with ``shard_gradients`` (default 2; at least 1).
+        step_timeout: seconds a ``step()`` may wait for its collectives (the reduction and
+            agreement; then the gathers, and ``wait()``'s; stage 2 reductions in ``add_grad``)
+            before the job is ended with a line naming the rank, step, phase and bucket, then
+            MPI Abort (``zero1_mpi.watchdog``; docs/clusters.md). None: no watchdog.
     """
 
     def __init__(self, params, comm, rule, defaults: dict, *, param_dtype=None,
                  loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
                  shard_group_size=None, offload=None, offload_threads=None,
-                 shard_gradients=False, grad_shard_dtype=None, grad_staging=DEFAULT_SLOTS):
+                 shard_gradients=False, grad_shard_dtype=None, grad_staging=DEFAULT_SLOTS,
+                 step_timeout=None):
         setup = _configure(params, comm, rule, defaults, param_dtype, loss_scale,
                            max_grad_norm, reduce_dtype, bucket_elements, cuda_aware,
                            shard_group_size, offload, offload_threads,
-                           (shard_gradients, grad_shard_dtype, grad_staging))
+                           (shard_gradients, grad_shard_dtype, grad_staging), step_timeout)
         self.comm, self.rule, self.layout, k = setup.comm, rule, setup.layout, setup.group_size
         #: Ranks per shard group (K), this rank's position in its group (which shard of each
         #: bucket it owns), and how many groups hold a replica of the state (N / K).
@@ -121,6 +128,12 @@ class ShardedOptimizer:
             self._allocate(setup.layout, setup.dtype, setup.backend, setup.threads,
                            setup.staging)
             self._load_initial_values(setup.arrays)
+        #: Ends the job when a step's collectives hang (``step_timeout``); marks where it is.
+        self.watchdog = Watchdog(setup.step_timeout, self.rank, self.comm.abort)
+        self.buckets.watch = self.watchdog
+        if self._grad_shards is not None:
+            self._grad_shards.watch = self.watchdog
+        weakref.finalize(self, self.watchdog.close)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -143,6 +156,7 @@ class ShardedOptimizer:
         ``state_names``, and for 16-bit parameters ``"param"`` (what checkpoints store)."""
         return ("master", *self.rule.state_names) + (("param",) if self._mixed else ())
 
+    @watched("reduce", 1)
     def grads_ready(self, names) -> None:
         """Declare the gradients of ``names`` (a name or an iterable of names) final for this
         step, so that communication starts during the backward pass: each bucket's reduction
@@ -160,6 +174,7 @@ class ShardedOptimizer:
         with self.comm.abort_on_error("in grads_ready()"):
             self.buckets.mark_ready(names)
 
+    @watched("reduce", 1)
     def add_grad(self, name: str, grad) -> None:
         """With ``shard_gradients``: hand over tensor ``name``'s gradient for this micro-batch
         (an array of the parameter's shape, in its dtype or float32, NumPy or CuPy as the
@@ -183,6 +198,7 @@ class ShardedOptimizer:
         for name, grad in grads.items():
             self.add_grad(name, grad)
 
+    @watched("gather", 0)
     def wait(self) -> None:
         """Complete the all-gathers that ``step(wait=False)`` left in flight. Reading
         ``opt.params[...]`` calls this; call it yourself before reading views kept elsewhere
@@ -191,6 +207,7 @@ class ShardedOptimizer:
             with self.comm.abort_on_error("while gathering the parameters"):
                 self.buckets.wait_gathers()
 
+    @watched("reduce", 1)
     def zero_grad(self) -> None:
         """Set every gradient to zero (``step()`` also leaves them zeroed). Reductions that
         ``grads_ready`` started for this step are completed and forgotten first."""
@@ -203,6 +220,7 @@ class ShardedOptimizer:
                 self.buckets.discard()
         self._grads.fill(0)
 
+    @watched("reduce", 1)
     def step(self, wait: bool = True, *, problem: str | None = None) -> StepInfo:
         """Average the gradients over ranks, update the owned shard, gather the parameters.
 
@@ -228,6 +246,7 @@ class ShardedOptimizer:
                 group_error = self._grad_shards.problem or group_error
             group_error = problem or group_error
             reduced_at = clock()
+            self.watchdog.phase, self.watchdog.bucket = "agree", None
             # Replicas hold the same sums: the norm counts one of them.
             sum_sq = float(sum(self._reductions.sum_of_squares(r) for r in reduced)) \
                 if self._replica == 0 else 0.0
@@ -271,6 +290,7 @@ class ShardedOptimizer:
             clip = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
         factor = clip / (self.world_size * scale)
         update = gather = 0.0
+        self.watchdog.disarm()  # the update is this rank's own work (the first may compile)
         with self.comm.abort_on_error("in step() while updating the parameters"):
             scalars = [self.rule.scalars(self.step_count + 1, group_options(g, self.rule, dict),
                                          factor) for g in self.param_groups]
@@ -280,6 +300,7 @@ class ShardedOptimizer:
                 update += clock() - t0
             t0 = clock()  # (offloaded, the wait for a bucket's gradient copy counts as update)
             for bucket, grads in self._shards(None if self.rule.tensor_sums else reduced):
+                self.watchdog.bucket = bucket.index
                 self._update_shard(bucket, grads, scalars)
                 t1 = clock()
                 for index in self._published(bucket):  # whose new shard has landed
@@ -292,6 +313,7 @@ class ShardedOptimizer:
             self.zero_grad()
         if wait:
             t0 = clock()
+            self.watchdog.arm(self.step_count + 1, "gather")
             self.wait()
             gather += clock() - t0
         self.last_step_seconds = {"reduce": reduced_at - started, "agree": agreed_at - reduced_at,
@@ -527,7 +549,9 @@ class ShardedOptimizer:
                 sums[index] += partial
         totals = backend.to_numpy(sums)
         if self.shard_group_size > 1:  # the group's shards cover every tensor once
+            self.watchdog.arm(self.step_count + 1, "update")
             totals = self.shard_comm.allreduce_sum(totals)
+            self.watchdog.disarm()
         return {index: self.rule.tensor_scalars(scalars[group], totals[index])
                 for pieces in self._pieces for index, group, _, _ in pieces}
 
@@ -598,11 +622,12 @@ class _Setup:
     threads: int | None
     grad_shard_dtype: np.dtype | None
     staging: int
+    step_timeout: float | None
 
 
 def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_norm,
                reduce_dtype, bucket_elements, cuda_aware, shard_group_size, offload,
-               offload_threads, stage2) -> _Setup:
+               offload_threads, stage2, step_timeout) -> _Setup:
     """Check every input, raise any error on every rank, and check that all ranks passed the
     same options and parameters (collectives: on all ranks, before any other)."""
     if isinstance(comm, Communicator):
@@ -629,6 +654,7 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
         scaler = LossScaler.from_option(loss_scale)
         offload = check_offload(offload, offload_threads)
         grad_shard_dtype, staging = check_stage2(*stage2, dtype, offload)
+        step_timeout = check_step_timeout(step_timeout)
         threads = resolve_threads(offload_threads, len(node)) if offload else None
         kernel = "cupy" if backend_name == "cupy" and not offload else resolve_cpu_kernel()
         layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()},
@@ -642,11 +668,13 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
          "param group options": [group_options(g, rule) for g in groups],
          "reduce_dtype": reduce_dtype, "max_grad_norm": max_grad_norm, "loss_scale": scaler,
          "bucket_elements": bucket_elements, "shard_group_size": group_size,
-         "grad_shard_dtype": _plain(grad_shard_dtype), "grad_staging": staging},
+         "grad_shard_dtype": _plain(grad_shard_dtype), "grad_staging": staging,
+         "step_timeout": step_timeout},
         "an option", "construct the optimizer with the same arguments on every rank")
     _check_layouts_agree(comm, layout)
     return _Setup(comm, group_size, groups, arrays, dtype, backend_name, kernel, reduce_dtype,
-                  max_grad_norm, scaler, layout, offload, threads, grad_shard_dtype, staging)
+                  max_grad_norm, scaler, layout, offload, threads, grad_shard_dtype, staging,
+                  step_timeout)
 
 
 def _plain(value):
