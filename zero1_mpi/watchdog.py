@@ -49,17 +49,19 @@ class Watchdog:
         rank: this rank, for the message.
         abort: called (from the thread) to end the job: MPI Abort.
         write: where the message goes (default: ``sys.stderr``, flushed).
+        exit_grace: seconds from Abort to ``exit``; exit: ``os._exit`` (tests replace both).
 
     The engine's thread writes ``phase`` and ``bucket``; ``arm``/``disarm`` frame a step.
     """
 
     def __init__(self, timeout: float | None, rank: int = 0, abort=None, write=None,
-                 exit_grace: float = EXIT_GRACE_SECONDS):
+                 exit_grace: float = EXIT_GRACE_SECONDS, exit=os._exit):
         self.timeout, self.rank = timeout, rank
         self.step, self.phase, self.bucket = 0, "", None
         self.armed = 0  # the token of the armed step, 0 when none is armed
         self._token = 0
-        self._abort, self._write, self._exit_grace = abort, write, exit_grace
+        self._abort, self._write = abort, write
+        self._exit_grace, self._exit = exit_grace, exit
         self._closed = threading.Event()
         self._thread = None
         if timeout is not None:
@@ -110,7 +112,7 @@ class Watchdog:
 
     def _fire(self) -> None:
         """Write why, then end this process: MPI Abort, else ``os._exit`` after a grace."""
-        ender = threading.Thread(target=_exit_after, args=(self._exit_grace,),
+        ender = threading.Thread(target=_exit_after, args=(self._exit_grace, self._exit),
                                  name="zero1_mpi watchdog exit", daemon=True)
         ender.start()
         text = self.message()
@@ -128,12 +130,12 @@ class Watchdog:
                 self._abort()
             except Exception:  # noqa: BLE001 - os._exit follows
                 pass
-        os._exit(EXIT_STATUS)
+        self._exit(EXIT_STATUS)
 
 
-def _exit_after(seconds: float) -> None:
+def _exit_after(seconds: float, exit) -> None:
     time.sleep(seconds)
-    os._exit(EXIT_STATUS)
+    exit(EXIT_STATUS)
 
 
 def watched(phase: str, ahead: int):
