@@ -10,10 +10,13 @@ bucket, before handing any gradient over (they wait in ``add_grad`` for a reduct
 prints ``expect bucket B`` and ``hang at T`` (``time.time()``); the watchdog of the waiting
 ranks must end the job. ``same``: training with and without a watchdog
 gives the same bits (stage 1, stage 2, ``wait=False``) and its thread ends with the optimizer.
-``bad``: bad or differing ``step_timeout`` values are raised on every rank.
+``bad``: bad or differing ``step_timeout`` values are raised on every rank. ``train``: trains
+until ended (TIMEOUT ``none``: without a watchdog), each rank printing ``rank R pid P`` first,
+rank 0 ``step S at T`` after each step (tests/test_netns.py takes the link down meanwhile).
 """
 
 import gc
+import os
 import sys
 import time
 
@@ -26,7 +29,8 @@ from zero1_mpi import CollectiveError, ZeroAdamW
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 mode = sys.argv[1]
-timeout = float(sys.argv[2]) if len(sys.argv) > 2 else 4.0
+timeout = float(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "none" else \
+    None if len(sys.argv) > 2 else 4.0
 SHAPES = {"a": (40, 50), "b": (3000,), "c": (50, 40), "d": (2500,)}
 
 
@@ -87,6 +91,16 @@ elif mode == "bad":
     raises(CollectiveError, "step_timeout (None on rank 0, 60.0 on rank 1)",
            lambda: ZeroAdamW(params(), step_timeout=None if rank == 0 else 60))
     print(f"OK watchdog bad values on {size} ranks", flush=True)
+elif mode == "train":
+    print(f"rank {rank} pid {os.getpid()}", flush=True)
+    opt = ZeroAdamW({"w": np.ones(2_000_000, np.float32)}, lr=1e-3, bucket_elements=250_000,
+                    step_timeout=timeout)
+    gradient = np.full(2_000_000, 1e-3, np.float32)
+    for step in range(1, 1_000_000):
+        opt.grads["w"][...] = gradient
+        opt.step()
+        if rank == 0:
+            print(f"step {step} at {time.time():.3f}", flush=True)
 else:
     stage2 = mode == "add"
     opt = ZeroAdamW(params(), lr=1e-2, bucket_elements=2048, step_timeout=timeout,
