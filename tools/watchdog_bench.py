@@ -4,7 +4,8 @@ The cost of the step watchdog (``step_timeout``): two ZeroAdamW optimizers over 
 parameters, one without a watchdog and one with ``step_timeout=600``, step in turn (A, B, A, B,
 ...) in one run on ``--ranks`` ranks, on the same gradients; each step is timed after a barrier
 (the slowest rank's wall time). Prints the median and mean ms/step of each, their ratio, and
-checks that both end with the same bits. Also the watchdog's cost per armed call (``arm`` +
+checks that both end with the same bits (``--control``: an A/A run, neither with a watchdog,
+for the noise floor between two optimizers). Also the watchdog's cost per armed call (``arm`` +
 ``disarm``, what ``step()``, ``wait()`` and ``add_grad`` add) in nanoseconds, one process.
 Under ``mpiexec`` without ``--ranks`` it measures that world size in-process.
 """
@@ -55,7 +56,8 @@ def worker(args) -> dict | None:
     shapes = {"w0": (n // 2,), "w1": (n - n // 2,)}
     init = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32)
             for k, s in shapes.items()}
-    opts = {"off": ZeroAdamW(init, lr=1e-4), "on": ZeroAdamW(init, lr=1e-4, step_timeout=600)}
+    on = None if args.control else 600
+    opts = {"off": ZeroAdamW(init, lr=1e-4), "on": ZeroAdamW(init, lr=1e-4, step_timeout=on)}
     times = {"off": [], "on": []}
     rng = np.random.default_rng(1 + comm.Get_rank())
     for step in range(args.warmup + args.steps):
@@ -76,6 +78,7 @@ def worker(args) -> dict | None:
     if comm.Get_rank() != 0:
         return None
     result = {"world_size": comm.Get_size(), "params": n, "steps": args.steps,
+              "control": args.control,
               "mpi": MPI.Get_library_version().splitlines()[0].strip(), "same_bits": same,
               "arm_disarm_ns": arm_ns()}
     for which, seconds in times.items():
@@ -92,20 +95,23 @@ def main(argv=None) -> None:
     parser.add_argument("--params", default="4M", help="parameters (e.g. 4M)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A run: the second optimizer without a watchdog too")
     parser.add_argument("--json", help="write the result to this file")
     args = parser.parse_args(argv)
     if args.ranks:
         from launch import run_ranks
         passed = ["--params", args.params, "--steps", str(args.steps), "--warmup",
-                  str(args.warmup)]
+                  str(args.warmup)] + (["--control"] if args.control else [])
         result = run_ranks(args.ranks, str(Path(__file__).resolve()), passed, timeout=900)
     else:
         result = worker(args)
         if result is None:
             return
-    print(f"{result['world_size']} ranks, {result['params']:,} parameters, {result['mpi']}: "
+    print(f"{result['world_size']} ranks, {result['params']:,} parameters, {result['mpi']}"
+          f"{' (control: no watchdog on either)' if result['control'] else ''}: "
           f"step() {result['off_median_ms']:.2f} ms without the watchdog, "
-          f"{result['on_median_ms']:.2f} ms with (median of {result['steps']}; ratio "
+          f"{result['on_median_ms']:.2f} ms {'again' if result['control'] else 'with'} (median of {result['steps']}; ratio "
           f"{result['ratio_median']:.3f}; means {result['off_mean_ms']:.2f} / "
           f"{result['on_mean_ms']:.2f} ms, ratio {result['ratio_mean']:.3f}); arm + disarm "
           f"{result['arm_disarm_ns']:.0f} ns; same bits: {result['same_bits']}")
