@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -233,3 +234,74 @@ def test_delay_needs_netem():
         assert "lacks sch_netem" in err, err
     else:
         assert "netem" in err and "delay" in err, err
+
+
+#: The watchdog's timeout in the link-down test, and the slack on top of it (a quarter more at
+#: most, the launcher's teardown, a loaded 2-core machine).
+LINK_TIMEOUT, LINK_SLACK = 5.0, 15.0
+
+
+def _down_mid_training(step_timeout: str, cap: float):
+    """Train on 2 x 2 ranks (tests/cases/watchdog.py train), take node 1's end of the link
+    down after step 5, and wait up to ``cap`` seconds for the job to end: ``(seconds from the
+    link going down until the ranks were gone, until the script exited (each None if not by
+    the cap), its exit status (None: stopped at the cap), stdout, stderr)``. The script is
+    stopped and cleaned up either way."""
+    proc = _start("--", sys.executable, "-m", "mpi4py", "tests/cases/watchdog.py", "train",
+                  step_timeout)
+    lines, seen = [], []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not any(line.startswith("step 5 ") for line in lines) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p) for p in re.findall(r"rank \d pid (\d+)", "".join(lines))]
+    if len(pids) < 4 or proc.poll() is not None:
+        proc.terminate()
+        _, err = _finish(proc, 30)
+        pytest.fail(f"training did not reach step 5 on 4 ranks\n--- stdout\n{''.join(lines)}\n"
+                    f"--- stderr\n{err}")
+    down = subprocess.run(["ip", "-n", f"zero1-{proc.pid}-1", "link", "set", "z1eth", "down"],
+                          capture_output=True, text=True)
+    start = time.monotonic()
+    assert down.returncode == 0, down.stderr
+    gone = ended = None
+    while time.monotonic() - start < cap and (gone is None or ended is None):
+        if gone is None and not any(_running(pid) for pid in pids):
+            gone = time.monotonic() - start
+        if ended is None and proc.poll() is not None:
+            ended = time.monotonic() - start
+        time.sleep(0.1)
+    status = proc.poll()
+    if status is None:
+        proc.terminate()
+    err = _finish(proc, 60)[1]
+    reader.join(10)
+    assert _leftovers(proc.pid) == [], err
+    assert [pid for pid in pids if _running(pid)] == [], err
+    return gone, ended, status, "".join(lines), err
+
+
+def test_link_down_mid_training_ends_the_job_within_the_step_timeout():
+    """The watchdog (step_timeout) ends a job whose network link goes down mid-step: every rank
+    gone within the timeout plus a few seconds, those that wait naming step, phase, bucket."""
+    gone, ended, status, out, err = _down_mid_training(f"{LINK_TIMEOUT:g}", LINK_TIMEOUT + 30)
+    assert gone is not None and gone <= LINK_TIMEOUT * 1.25 + LINK_SLACK, (gone, err)
+    if flavor(*launcher()) == "MPICH":  # its launcher exits too, failing the job
+        assert ended is not None and ended <= LINK_TIMEOUT * 1.25 + LINK_SLACK, (ended, err)
+        assert status != 0, err
+    # Open MPI's and Intel MPI's launchers wait for their daemon on the node they cannot reach
+    # (docs/clusters.md): the ranks are gone, the script stops them at the cap.
+    lines = re.findall(r"zero1_mpi: rank (\d): step (\d+) has not finished '(reduce|agree|"
+                       r"gather)'( of bucket \d+)? within 5 s \(step_timeout\)", err)
+    assert lines, err
+    steps = [int(s) for s in re.findall(r"^step (\d+) at", out, re.M)]
+    assert all(int(step) > max(steps) for _, step, _, _ in lines), (steps, lines)
+    assert all(bool(bucket) == (phase != "agree") for _, _, phase, bucket in lines), lines
+    exited = "was stopped at the cap" if ended is None else f"exited after {ended:.1f} s"
+    print(f"link down: ranks gone after {gone:.1f} s, the script {exited} ({status}); {lines}")

@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 
 from . import backend
+from .watchdog import Watchdog
 
 __all__ = ["BucketPipeline"]
 
@@ -37,6 +38,9 @@ class BucketPipeline:
             MPI's reduce-scatter in the gradients' dtype).
         reductions: the engine's reductions (``reductions.reductions_for``), for that sum.
     """
+
+    #: Where this rank waits (phase, bucket) for a ``Watchdog``: the optimizer sets its own.
+    watch = Watchdog(None)
 
     def __init__(self, layout, params, grads, shard_comm, replica_comm, exchange_16bit: bool,
                  reductions):
@@ -115,10 +119,12 @@ class BucketPipeline:
         """Start whatever has not started, complete every reduction (and every sum across the
         groups) and begin a new round. Returns each bucket's summed shard, in bucket order: a
         view of the gradient buffer, valid until the gradients are written again."""
+        self.watch.phase = "reduce"
         while self._next_start >= 0:
             self._start_reduction(self._next_start)
         reduced = [self._finish_reduction(b.index) for b in self.layout.buckets]
-        for request in self._across.values():
+        for index, request in self._across.items():
+            self.watch.bucket = index
             request.wait()
         self._new_round()
         return reduced
@@ -135,12 +141,16 @@ class BucketPipeline:
         """Start the all-gather of bucket ``index`` of the parameters (this rank's shard of
         it written)."""
         bucket = self.layout.buckets[index]
-        self._gathers.append(self._shard_comm.start_allgather(
-            self._params[bucket.offset:bucket.offset + bucket.size]))
+        self.watch.bucket = index
+        self._gathers.append((index, self._shard_comm.start_allgather(
+            self._params[bucket.offset:bucket.offset + bucket.size])))
 
     def wait_gathers(self) -> None:
         """Complete the all-gathers in flight."""
-        for request in self._gathers:
+        watch = self.watch
+        watch.phase = "gather"
+        for index, request in self._gathers:
+            watch.bucket = index
             request.wait()
         self._gathers.clear()
 
@@ -167,6 +177,7 @@ class BucketPipeline:
         """Start summing bucket ``index``'s gradients over the group (in place, see below)."""
         bucket = self.layout.buckets[index]
         grads = self._grads[bucket.offset:bucket.offset + bucket.size]
+        self.watch.bucket = index
         self._next_start = index - 1
         self._started_order.append(index)
         if self._shard_comm.size == 1:
@@ -190,6 +201,7 @@ class BucketPipeline:
         if index in self._reduced:
             return self._reduced[index]
         request, slot = self._in_flight.pop(index)
+        self.watch.bucket = index
         request.wait()
         bucket = self.layout.buckets[index]
         grads = self._grads[bucket.offset:bucket.offset + bucket.size]

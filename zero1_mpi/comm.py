@@ -289,6 +289,10 @@ class Communicator:
                 self._comm.Abort(1)
             raise
 
+    def abort(self, errorcode: int = 1) -> None:
+        """MPI Abort: end every rank of the job (callable from any thread, this rank alone)."""
+        self._comm.Abort(errorcode)
+
     def collective_call(self, call, what: str, poll_seconds: float = 0.001):
         """``call()`` on every rank, where ``call`` is another library's collective that blocks
         until all ranks have called it: a rank whose call raises tells every other rank, and

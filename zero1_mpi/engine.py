@@ -16,6 +16,7 @@ import inspect
 import math
 import signal
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +35,7 @@ from .params import (check_arrays, check_max_grad_norm, check_reduce_dtype, chec
 from .reductions import reductions_for, resolve_cpu_kernel
 from .rules import missing_members
 from .scaler import LossScaler
+from .watchdog import Watchdog, check_step_timeout, watched
 
 __all__ = ["ShardedOptimizer", "StepInfo", "with_engine_options", "resolve_shard_group_size"]
 
@@ -93,19 +95,24 @@ class ShardedOptimizer:
             parameters') or ``"float32"`` (16-bit parameters: the exact fp32 sums, 2 bytes a
             parameter more per rank over N).
         grad_staging: staging buckets with ``shard_gradients`` (default 2; at least 1).
+        step_timeout: seconds a ``step()`` may wait for its collectives (the reduction and
+            agreement; then the gathers, and ``wait()``'s; stage 2 reductions in ``add_grad``)
+            before the job is ended with a line naming the rank, step, phase and bucket, then
+            MPI Abort (``zero1_mpi.watchdog``; docs/clusters.md). None: no watchdog.
     """
 
     def __init__(self, params, comm, rule, defaults: dict, *, param_dtype=None,
                  loss_scale=None, max_grad_norm=None, reduce_dtype="float32",
                  bucket_elements=DEFAULT_BUCKET_ELEMENTS, cuda_aware=None,
                  shard_group_size=None, offload=None, offload_threads=None,
-                 shard_gradients=False, grad_shard_dtype=None, grad_staging=DEFAULT_SLOTS):
+                 shard_gradients=False, grad_shard_dtype=None, grad_staging=DEFAULT_SLOTS,
+                 step_timeout=None):
         # close() frees a communicator built here; one passed in stays its caller's.
         self._owns_comm, self.closed = not isinstance(comm, Communicator), False
         setup = _configure(params, comm, rule, defaults, param_dtype, loss_scale,
                            max_grad_norm, reduce_dtype, bucket_elements, cuda_aware,
                            shard_group_size, offload, offload_threads,
-                           (shard_gradients, grad_shard_dtype, grad_staging))
+                           (shard_gradients, grad_shard_dtype, grad_staging), step_timeout)
         self.comm, self.rule, self.layout, k = setup.comm, rule, setup.layout, setup.group_size
         #: Ranks per shard group (K), this rank's position in its group (which shard of each
         #: bucket it owns), and how many groups hold a replica of the state (N / K).
@@ -129,6 +136,12 @@ class ShardedOptimizer:
             self._allocate(setup.layout, setup.dtype, setup.backend, setup.threads,
                            setup.staging)
             self._load_initial_values(setup.arrays)
+        #: Ends the job when a step's collectives hang (``step_timeout``); marks where it is.
+        self.watchdog = Watchdog(setup.step_timeout, self.rank, self.comm.abort)
+        self.buckets.watch = self.watchdog
+        if self._grad_shards is not None:
+            self._grad_shards.watch = self.watchdog
+        weakref.finalize(self, self.watchdog.close)
 
     # -- public API --------------------------------------------------------------------------
 
@@ -151,6 +164,7 @@ class ShardedOptimizer:
         ``state_names``, and for 16-bit parameters ``"param"`` (what checkpoints store)."""
         return ("master", *self.rule.state_names) + (("param",) if self._mixed else ())
 
+    @watched("reduce", 1)
     def grads_ready(self, names) -> None:
         """Declare the gradients of ``names`` (a name or an iterable of names) final for this
         step, so that communication starts during the backward pass: each bucket's reduction
@@ -168,6 +182,7 @@ class ShardedOptimizer:
         with self.comm.abort_on_error("in grads_ready()"):
             self.buckets.mark_ready(names)
 
+    @watched("reduce", 1)
     def add_grad(self, name: str, grad) -> None:
         """With ``shard_gradients``: hand over tensor ``name``'s gradient for this micro-batch
         (an array of the parameter's shape, in its dtype or float32, NumPy or CuPy as the
@@ -191,6 +206,7 @@ class ShardedOptimizer:
         for name, grad in grads.items():
             self.add_grad(name, grad)
 
+    @watched("gather", 0)
     def wait(self) -> None:
         """Complete the all-gathers that ``step(wait=False)`` left in flight. Reading
         ``opt.params[...]`` calls this; call it yourself before reading views kept elsewhere
@@ -199,6 +215,7 @@ class ShardedOptimizer:
             with self.comm.abort_on_error("while gathering the parameters"):
                 self.buckets.wait_gathers()
 
+    @watched("reduce", 1)
     def zero_grad(self) -> None:
         """Set every gradient to zero (``step()`` also leaves them zeroed). Reductions that
         ``grads_ready`` started for this step are completed and forgotten first."""
@@ -211,6 +228,7 @@ class ShardedOptimizer:
                 self.buckets.discard()
         self._grads.fill(0)
 
+    @watched("reduce", 1)
     def step(self, wait: bool = True, *, problem: str | None = None) -> StepInfo:
         """Average the gradients over ranks, update the owned shard, gather the parameters.
 
@@ -236,6 +254,7 @@ class ShardedOptimizer:
                 group_error = self._grad_shards.problem or group_error
             group_error = problem or group_error
             reduced_at = clock()
+            self.watchdog.phase, self.watchdog.bucket = "agree", None
             # Replicas hold the same sums: the norm counts one of them.
             sum_sq = float(sum(self._reductions.sum_of_squares(r) for r in reduced)) \
                 if self._replica == 0 else 0.0
@@ -253,6 +272,7 @@ class ShardedOptimizer:
                 totals = self.comm.allreduce_sum(totals)
             if pending is not None and not totals[7]:  # every rank's file is on disk
                 self._pending_save = None
+                self.watchdog.disarm()  # publishing is file work (rank 0's syncs), not a hang
                 pending.finish()  # publishes; a failure is the handle's (and the next save's)
                 if pending.error is not None:
                     self._failed_save = pending
@@ -290,6 +310,7 @@ class ShardedOptimizer:
             clip = min(1.0, self.max_grad_norm / (grad_norm + CLIP_EPS))
         factor = clip / (self.world_size * scale)
         update = gather = 0.0
+        self.watchdog.disarm()  # the update is this rank's own work (the first may compile)
         with self.comm.abort_on_error("in step() while updating the parameters"):
             scalars = [self.rule.scalars(self.step_count + 1, group_options(g, self.rule, dict),
                                          factor) for g in self.param_groups]
@@ -299,6 +320,7 @@ class ShardedOptimizer:
                 update += clock() - t0
             t0 = clock()  # (offloaded, the wait for a bucket's gradient copy counts as update)
             for bucket, grads in self._shards(None if self.rule.tensor_sums else reduced):
+                self.watchdog.bucket = bucket.index
                 self._update_shard(bucket, grads, scalars)
                 t1 = clock()
                 for index in self._published(bucket):  # whose new shard has landed
@@ -311,6 +333,7 @@ class ShardedOptimizer:
             self.zero_grad()
         if wait:
             t0 = clock()
+            self.watchdog.arm(self.step_count + 1, "gather")
             self.wait()
             gather += clock() - t0
         self.last_step_seconds = {"reduce": reduced_at - started, "agree": agreed_at - reduced_at,
@@ -348,6 +371,7 @@ class ShardedOptimizer:
         """``info``, or once a signal reached any rank: the checkpoint saved, ``stop=True``."""
         if not asked_anywhere:
             return info
+        self.watchdog.disarm()  # a save takes as long as the file system does: not a hang
         self._failed_save = None  # an earlier non-blocking save's failure (printed) must not
         # stop this checkpoint: the job is about to end
         where = self.save(self._on_signal.path, self._on_signal.keep)
@@ -492,6 +516,7 @@ class ShardedOptimizer:
             pending.finish()
         if self._on_signal is not None:  # the previous signal handlers come back
             self._on_signal.close()
+        self.watchdog.close()
         self._snapshot = self._failed_save = None
         with self.comm.abort_on_error("in close() while completing the collectives in flight"):
             self.wait()
@@ -666,7 +691,9 @@ class ShardedOptimizer:
                 sums[index] += partial
         totals = backend.to_numpy(sums)
         if self.shard_group_size > 1:  # the group's shards cover every tensor once
+            self.watchdog.arm(self.step_count + 1, "update")
             totals = self.shard_comm.allreduce_sum(totals)
+            self.watchdog.disarm()
         return {index: self.rule.tensor_scalars(scalars[group], totals[index])
                 for pieces in self._pieces for index, group, _, _ in pieces}
 
@@ -766,11 +793,12 @@ class _Setup:
     threads: int | None
     grad_shard_dtype: np.dtype | None
     staging: int
+    step_timeout: float | None
 
 
 def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_norm,
                reduce_dtype, bucket_elements, cuda_aware, shard_group_size, offload,
-               offload_threads, stage2) -> _Setup:
+               offload_threads, stage2, step_timeout) -> _Setup:
     """Check every input, raise any error on every rank, and check that all ranks passed the
     same options and parameters (collectives: on all ranks, before any other)."""
     if isinstance(comm, Communicator):
@@ -797,6 +825,7 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
         scaler = LossScaler.from_option(loss_scale)
         offload = check_offload(offload, offload_threads)
         grad_shard_dtype, staging = check_stage2(*stage2, dtype, offload)
+        step_timeout = check_step_timeout(step_timeout)
         threads = resolve_threads(offload_threads, len(node)) if offload else None
         kernel = "cupy" if backend_name == "cupy" and not offload else resolve_cpu_kernel()
         layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()},
@@ -810,11 +839,13 @@ def _configure(params, comm, rule, defaults, param_dtype, loss_scale, max_grad_n
          "param group options": [group_options(g, rule) for g in groups],
          "reduce_dtype": reduce_dtype, "max_grad_norm": max_grad_norm, "loss_scale": scaler,
          "bucket_elements": bucket_elements, "shard_group_size": group_size,
-         "grad_shard_dtype": _plain(grad_shard_dtype), "grad_staging": staging},
+         "grad_shard_dtype": _plain(grad_shard_dtype), "grad_staging": staging,
+         "step_timeout": step_timeout},
         "an option", "construct the optimizer with the same arguments on every rank")
     _check_layouts_agree(comm, layout)
     return _Setup(comm, group_size, groups, arrays, dtype, backend_name, kernel, reduce_dtype,
-                  max_grad_norm, scaler, layout, offload, threads, grad_shard_dtype, staging)
+                  max_grad_norm, scaler, layout, offload, threads, grad_shard_dtype, staging,
+                  step_timeout)
 
 
 def _plain(value):

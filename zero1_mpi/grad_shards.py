@@ -18,6 +18,7 @@ from collections import deque
 import numpy as np
 
 from . import backend
+from .watchdog import Watchdog
 
 __all__ = ["GradientShards", "DEFAULT_SLOTS"]
 
@@ -41,6 +42,9 @@ class GradientShards:
         reductions: the engine's reductions, for that sum.
         slots: the staging slots (at least 1).
     """
+
+    #: Where this rank waits (phase, bucket) for a ``Watchdog``: the optimizer sets its own.
+    watch = Watchdog(None)
 
     def __init__(self, layout, xp, param_dtype, shard_dtype, shard_comm, replica_comm,
                  exchange_16bit: bool, reductions, slots: int = DEFAULT_SLOTS):
@@ -126,6 +130,7 @@ class GradientShards:
         ``shard``), summed across the groups too. A bucket begun but not complete (missing
         tensors) is reduced as it is and reported in ``problem``; one never begun this step
         is reduced as zeros, so that all ranks run the same collectives."""
+        self.watch.phase = "reduce"
         missing = self.missing()
         if missing:
             self.problem = self.problem or (
@@ -142,7 +147,8 @@ class GradientShards:
             self._finish(self._in_flight.popleft())
         shards = [self.shard[b.state] for b in self.layout.buckets]
         if self._replica_comm is not None:
-            for shard in shards:
+            for index, shard in enumerate(shards):
+                self.watch.bucket = index
                 self._sum_across(shard)
         return shards
 
@@ -227,6 +233,7 @@ class GradientShards:
         index, slot, request = entry
         bucket = self.layout.buckets[index]
         if request is not None:
+            self.watch.phase, self.watch.bucket = "reduce", index
             request.wait()
         shard, first = self.shard[bucket.state], not self._reduced[index]
         if self._exchange:
