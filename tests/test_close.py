@@ -63,7 +63,8 @@ def test_the_soak_verdict_catches_slow_growth_and_any_new_descriptor_or_thread(s
 
 @pytest.mark.mpi_independent
 def test_soak_catches_optimizers_kept_unclosed():
-    leaky = run_mpi(2, "tools/soak.py", "--steps", "6000", "--leak", "keep", timeout=300,
+    leaky = run_mpi(2, "tools/soak.py", "--steps", "6000", "--warmup", "3000", "--leak", "keep",
+                    timeout=300,
                     check=False, abort_on_exception=False)
     assert leaky.returncode != 0 and "SOAK FAILED" in leaky.stdout, leaky.stdout
 
