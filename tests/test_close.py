@@ -14,13 +14,17 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, mpi_flavor, run_mpi
 from zero1_mpi import Communicator, ZeroAdamW
 
 
 def test_many_optimizers_with_hierarchical_sharding_are_built_and_closed():
-    out = run_mpi(4, "close.py", timeout=400).stdout
-    assert "OK built and closed 1200 optimizers (shard_group_size=2) on 4 ranks" in out, out
+    """1,200 under MPICH, where 2,046 splits are all there are, so that the leak would fail
+    it; 200 under the other MPIs, which have no such limit (1,200 passed there once by hand,
+    in 104 s under Open MPI and 88 s under Intel MPI: docs/testing.md)."""
+    count = 1200 if mpi_flavor() == "MPICH" else 200
+    out = run_mpi(4, "close.py", str(count), timeout=400).stdout
+    assert f"OK built and closed {count} optimizers (shard_group_size=2) on 4 ranks" in out, out
 
 
 @pytest.mark.mpi_independent
@@ -63,9 +67,8 @@ def test_the_soak_verdict_catches_slow_growth_and_any_new_descriptor_or_thread(s
 
 @pytest.mark.mpi_independent
 def test_soak_catches_optimizers_kept_unclosed():
-    leaky = run_mpi(2, "tools/soak.py", "--steps", "6000", "--warmup", "3000", "--leak", "keep",
-                    timeout=300,
-                    check=False, abort_on_exception=False)
+    leaky = run_mpi(2, "tools/soak.py", "--steps", "4000", "--warmup", "2000", "--leak", "keep",
+                    timeout=300, check=False, abort_on_exception=False)
     assert leaky.returncode != 0 and "SOAK FAILED" in leaky.stdout, leaky.stdout
 
 
