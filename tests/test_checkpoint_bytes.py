@@ -73,9 +73,16 @@ def refused(opt, path, *words) -> str:
     return str(caught.value)
 
 
-def files_of(root: Path, ckpt: Path) -> list[Path]:
-    return [root / LATEST, ckpt / MANIFEST, ckpt / MANIFEST_DIGEST,
-            *sorted(ckpt.glob("shard-*.npy"))]
+WHICH = [LATEST, MANIFEST, MANIFEST_DIGEST, "shard"]
+
+
+def damaged_file(saved, which: str) -> tuple[Path, bytes]:
+    """``(the file of the checkpoint that ``which`` names, its intact bytes)``."""
+    root, ckpt, _ = saved
+    file = {LATEST: root / LATEST, MANIFEST: ckpt / MANIFEST,
+            MANIFEST_DIGEST: ckpt / MANIFEST_DIGEST}.get(which) or \
+        sorted(ckpt.glob("shard-*.npy"))[0]
+    return file, file.read_bytes()
 
 
 def test_the_checkpoint_has_the_files_this_test_damages(saved):
@@ -88,13 +95,11 @@ def test_the_checkpoint_has_the_files_this_test_damages(saved):
     assert (ckpt / MANIFEST_DIGEST).read_text() == f"{digest}  {MANIFEST}\n"
 
 
-@pytest.mark.parametrize("which", [LATEST, MANIFEST, MANIFEST_DIGEST, "shard"])
+@pytest.mark.parametrize("which", WHICH)
 @pytest.mark.parametrize("flip", FLIPS)
 def test_every_single_byte_change_is_refused(saved, fresh, which, flip):
     root, ckpt, _ = saved
-    file = {f.name: f for f in files_of(root, ckpt)}.get(which) or \
-        sorted(ckpt.glob("shard-*.npy"))[0]
-    good = file.read_bytes()
+    file, good = damaged_file(saved, which)
     try:
         for position in range(len(good)):
             damaged = bytearray(good)
@@ -109,12 +114,10 @@ def test_every_single_byte_change_is_refused(saved, fresh, which, flip):
     assert state_digest(fresh) == saved[2]
 
 
-@pytest.mark.parametrize("which", [LATEST, MANIFEST, MANIFEST_DIGEST, "shard"])
+@pytest.mark.parametrize("which", WHICH)
 def test_every_truncation_and_the_deletion_of_every_file_are_refused(saved, fresh, which):
-    root, ckpt, _ = saved
-    file = {f.name: f for f in files_of(root, ckpt)}.get(which) or \
-        sorted(ckpt.glob("shard-*.npy"))[0]
-    good = file.read_bytes()
+    root = saved[0]
+    file, good = damaged_file(saved, which)
     try:
         for length in range(len(good)):
             file.write_bytes(good[:length])
