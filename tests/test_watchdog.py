@@ -51,6 +51,12 @@ def test_bad_step_timeouts_are_refused_on_every_rank():
     assert "OK watchdog bad values on 3 ranks" in out
 
 
+def test_saves_inside_a_step_are_not_timed(tmp_path):
+    """Publishing a non-blocking save and a preemption checkpoint, each 2.5 timeouts long."""
+    out = run_mpi(2, "watchdog.py", "slow-save", "1", str(tmp_path), timeout=120).stdout
+    assert "OK slow saves inside steps outlived step_timeout=1 on 2 ranks" in out
+
+
 def test_the_watchdog_changes_no_bit():
     out = run_mpi(2, "watchdog.py", "same", timeout=180).stdout
     assert "OK watchdog same bits on 2 ranks" in out

@@ -10,7 +10,9 @@ bucket, before handing any gradient over (they wait in ``add_grad`` for a reduct
 prints ``expect bucket B`` and ``hang at T`` (``time.time()``); the watchdog of the waiting
 ranks must end the job. ``same``: training with and without a watchdog
 gives the same bits (stage 1, stage 2, ``wait=False``) and its thread ends with the optimizer.
-``bad``: bad or differing ``step_timeout`` values are raised on every rank. ``train``: trains
+``bad``: bad or differing ``step_timeout`` values are raised on every rank. ``slow-save``
+(DIR): saves inside a step slower than the timeout (publishing a non-blocking one, a
+preemption checkpoint) do not end the job. ``train``: trains
 until ended (TIMEOUT ``none``: without a watchdog), each rank printing ``rank R pid P`` first,
 rank 0 ``step S at T`` after each step (tests/test_netns.py takes the link down meanwhile).
 """
@@ -91,6 +93,33 @@ elif mode == "bad":
     raises(CollectiveError, "step_timeout (None on rank 0, 60.0 on rank 1)",
            lambda: ZeroAdamW(params(), step_timeout=None if rank == 0 else 60))
     print(f"OK watchdog bad values on {size} ranks", flush=True)
+elif mode == "slow-save":
+    # Saves that run inside a step take the file system's time, not a hang: a preemption
+    # checkpoint and the publication of a non-blocking save, each slowed past the timeout.
+    import signal
+
+    import zero1_mpi.checkpoint as checkpoint
+    opt = ZeroAdamW(params(), lr=1e-2, bucket_elements=2048, step_timeout=timeout)
+    publish = checkpoint._publish
+
+    def slow_publish(*args):
+        time.sleep(2.5 * timeout)
+        return publish(*args)
+    checkpoint._publish = slow_publish
+    pending = opt.save(sys.argv[3], blocking=False)
+    while not comm.allreduce(pending.written, op=MPI.LAND):
+        time.sleep(0.01)
+    train(opt, 1)  # publishes, slowly
+    check(pending.done and pending.error is None, pending.error)
+    opt.checkpoint_on_signal(sys.argv[3], signals=("SIGUSR1",))
+    if rank == size - 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    for name, g in grads(1).items():
+        opt.grads[name][...] = g
+    info = opt.step()  # saves, slowly
+    check(info.stop and info.checkpoint is not None, info)
+    print(f"OK slow saves inside steps outlived step_timeout={timeout:g} on {size} ranks",
+          flush=True)
 elif mode == "train":
     print(f"rank {rank} pid {os.getpid()}", flush=True)
     opt = ZeroAdamW({"w": np.ones(2_000_000, np.float32)}, lr=1e-3, bucket_elements=250_000,
