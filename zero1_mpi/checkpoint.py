@@ -68,11 +68,8 @@ def save(opt, path, keep: int | None = None) -> Path:
                     "ranges": _ranges(opt)}
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
-    comm = opt.comm
-    comm.agree(error)
-    final, error = _finish(comm, root, tmp, _manifest(opt), info, keep)
-    comm.agree(error)
-    return final
+    opt.comm.agree(error)
+    return _finish(opt.comm, root, tmp, _manifest(opt), info, keep)
 
 
 class PendingSave:
@@ -121,16 +118,12 @@ class PendingSave:
         if self._thread is not None:
             self._thread.join()
         comm = self._opt.comm
-        errors = [e for e in comm.allgather_objects(
-            None if self._write_error is None else str(self._write_error)) if e is not None]
-        if errors:
-            self.error = CheckpointError(f"{errors[0]} [and {len(errors) - 1} more rank(s)]"
-                                         if len(errors) > 1 else errors[0])
-        else:
-            self.path, error = _finish(comm, self.root, self._tmp, self._manifest,
-                                       self._info, self._keep)
-            self.error = None if error is None else CheckpointError(
-                f"{error} [detected on rank 0]")
+        try:
+            comm.agree(self._write_error)
+            self.path = _finish(comm, self.root, self._tmp, self._manifest, self._info,
+                                self._keep)
+        except CheckpointError as exc:  # raised on every rank by agree()
+            self.error = exc
         self.done = True
         if self.error is not None and comm.rank == 0:
             sys.stderr.write(f"zero1_mpi: the checkpoint of step {self.step} under "
@@ -200,19 +193,18 @@ def _begin(opt, path, keep) -> tuple[Path, Path]:
     return root, root / comm.bcast_object(tmp_name)
 
 
-def _finish(comm, root: Path, tmp: Path, manifest: dict, info, keep):
-    """Gather the files' entries, publish on rank 0: ``(directory, None)`` or ``(None, the
-    error rank 0 met)`` on every rank. All ranks, once every file is written and synced."""
+def _finish(comm, root: Path, tmp: Path, manifest: dict, info, keep) -> Path:
+    """Gather the files' entries and publish on rank 0; return the checkpoint's directory or
+    raise rank 0's ``CheckpointError`` on every rank. All ranks, once every file is synced."""
     infos = [i for i in comm.gather_objects(info) or [] if i is not None]
     final = error = None
     if comm.rank == 0:
         try:
             final = _publish(root, tmp, {**manifest, "files": infos}, keep)
-        except Exception as exc:  # noqa: BLE001 - returned to every rank
-            error = f"cannot publish the checkpoint under {root}: {exc}"
-    final, error = comm.bcast_object((final, error))
-    return (None if final is None else root / final), \
-        (None if error is None else CheckpointError(error))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            error = CheckpointError(f"cannot publish the checkpoint under {root}: {exc}")
+    comm.agree(error)
+    return root / comm.bcast_object(final)
 
 
 def row_views(opt, lo: int, hi: int, state: int) -> list:

@@ -126,7 +126,7 @@ class ShardedOptimizer:
         #: The gradient shard's dtype with ``shard_gradients`` (stage 2), else None.
         self.grad_shard_dtype = setup.grad_shard_dtype
         self.step_count = 0
-        self._pending_save = self._failed_save = self._snapshot = None
+        self._pending_save = self._snapshot = None
         self._on_signal = None  # the SignalCheckpoint of checkpoint_on_signal, once called
         #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
         #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
@@ -265,17 +265,15 @@ class ShardedOptimizer:
             # whether its part of a non-blocking save is still being written.
             asked = self._on_signal.poll() if self._on_signal is not None else 0
             pending = self._pending_save
+            pending = None if pending is None or pending.done else pending
             writing = 0.0 if pending is None or pending.written else 1.0
             totals = [sum_sq, 1.0 if group_error else 0.0, options, options * options,
                       order, order * order, 1.0 if asked else 0.0, writing]
             if self.world_size > 1:
                 totals = self.comm.allreduce_sum(totals)
             if pending is not None and not totals[7]:  # every rank's file is on disk
-                self._pending_save = None
                 self.watchdog.disarm()  # publishing is file work (rank 0's syncs), not a hang
                 pending.finish()  # publishes; a failure is the handle's (and the next save's)
-                if pending.error is not None:
-                    self._failed_save = pending
         agreed_at = clock()
         if totals[1]:
             self.zero_grad()
@@ -372,8 +370,9 @@ class ShardedOptimizer:
         if not asked_anywhere:
             return info
         self.watchdog.disarm()  # a save takes as long as the file system does: not a hang
-        self._failed_save = None  # an earlier non-blocking save's failure (printed) must not
-        # stop this checkpoint: the job is about to end
+        pending = self._pending_save
+        if pending is not None and pending.error is not None:  # printed when it failed: it
+            self._pending_save = None  # must not stop this checkpoint, the job is about to end
         where = self.save(self._on_signal.path, self._on_signal.keep)
         self._on_signal.answered(asked)
         return replace(info, stop=True, checkpoint=where)
@@ -423,10 +422,7 @@ class ShardedOptimizer:
         if blocking not in (True, False):
             raise ValueError(f"blocking={blocking!r} must be True or False")
         self.wait()
-        self.finish_save()
-        failed, self._failed_save = self._failed_save, None
-        if failed is not None:  # finished (and failed) at a step: nobody has seen it raise
-            raise failed.error
+        self.finish_save()  # raises the error of one that failed, also when a step finished it
         if blocking:
             return checkpoint.save(self, path, keep)
         shape = checkpoint.snapshot_shape(self)
@@ -436,9 +432,9 @@ class ShardedOptimizer:
         return self._pending_save
 
     def finish_save(self):
-        """Finish the non-blocking save in flight, if any: wait for every rank's write and
-        publish it. Returns its directory (None if there was none), or raises its
-        ``CheckpointError`` on every rank. Must be called on all ranks."""
+        """Finish the last non-blocking save, if any and not yet finished by a step: wait for
+        every rank's write and publish it. Returns its directory (None if there was none), or
+        raises its ``CheckpointError`` on every rank. Must be called on all ranks."""
         pending, self._pending_save = self._pending_save, None
         return None if pending is None else pending.wait()
 
@@ -447,7 +443,8 @@ class ShardedOptimizer:
         in it), saved at any world size. Must be called on all ranks. Nothing changes if the
         checkpoint is bad: the error is raised on every rank."""
         self.wait()
-        self.finish_save()
+        if self._pending_save is not None and not self._pending_save.done:
+            self.finish_save()  # (one a step finished and that failed: the next save raises)
         return checkpoint.load(self, path)
 
     def save_consolidated(self, path):
@@ -517,7 +514,7 @@ class ShardedOptimizer:
         if self._on_signal is not None:  # the previous signal handlers come back
             self._on_signal.close()
         self.watchdog.close()
-        self._snapshot = self._failed_save = None
+        self._snapshot = None
         with self.comm.abort_on_error("in close() while completing the collectives in flight"):
             self.wait()
             if self._grad_shards is not None:
