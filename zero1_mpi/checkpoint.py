@@ -29,7 +29,7 @@ from .backend import to_numpy
 from .params import group_record, restore_options
 from .scaler import LossScaler
 
-__all__ = ["save", "start_save", "PendingSave", "snapshot_shape", "load", "CheckpointError", "read_counters", "check_rule", "resolve",
+__all__ = ["save", "check_keep", "start_save", "PendingSave", "snapshot_shape", "load", "CheckpointError", "read_counters", "check_rule", "resolve",
            "read_manifest", "check_compatible", "VERSION", "VERSIONS", "fingerprint", "plan_reads", "CHUNK"]
 
 FORMAT = "zero1_mpi.checkpoint"
@@ -176,13 +176,21 @@ def _shape(opt) -> tuple[int, int]:
     return len(opt.state_rows), sum(hi - lo for lo, hi, _ in owned)
 
 
+def check_keep(keep) -> None:
+    """A ValueError naming ``keep`` unless it is None (keep all) or an integer >= 1."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep={keep!r} must be None (keep all) or an integer >= 1")
+
+
 def _begin(opt, path, keep) -> tuple[Path, Path]:
     """Check ``keep``, make the hidden directory a save writes into; all ranks."""
     comm, root = opt.comm, Path(path)
     error = tmp_name = None
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        error = ValueError(f"keep={keep!r} must be None (keep all) or an integer >= 1")
-    elif comm.rank == 0:
+    try:
+        check_keep(keep)
+    except ValueError as exc:
+        error = exc
+    if error is None and comm.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             tmp_name = f".tmp-{opt.step_count:08d}-{time.time_ns()}"

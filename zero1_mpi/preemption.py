@@ -17,6 +17,8 @@ import os
 import signal
 import threading
 
+from .checkpoint import check_keep
+
 __all__ = ["SignalCheckpoint", "check_arguments", "check_signals"]
 
 #: Signals a process cannot catch, or that Python would not deliver to its handler.
@@ -60,8 +62,7 @@ def check_signals(signals) -> tuple[signal.Signals, ...]:
 def check_arguments(path, signals, keep) -> tuple[str, tuple[signal.Signals, ...]]:
     """``(path, signals)`` checked for ``checkpoint_on_signal``, or a ValueError naming the
     value and the fix (this rank's; the caller agrees on it with the other ranks)."""
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep={keep!r} must be None (keep all) or an integer >= 1")
+    check_keep(keep)
     try:
         path = os.fspath(path)
     except TypeError:

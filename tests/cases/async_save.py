@@ -129,6 +129,8 @@ def main(directory: Path, group):
     check(latest(root).startswith("ckpt-00000012-"))
     raises(ValueError, "blocking='no' must be True or False",
            lambda: opt.save(root, blocking="no"))
+    raises(ValueError, "keep=0 must be None (keep all) or an integer >= 1",
+           lambda: opt.save(root, keep=0, blocking=False))
     # close() publishes the save in flight and gives the signal handlers back.
     previous = signal.getsignal(signal.SIGUSR2)
     opt.checkpoint_on_signal(directory / "signal", signals=("SIGUSR2",))
