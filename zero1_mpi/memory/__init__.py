@@ -410,7 +410,8 @@ class MemoryReport:
                                  f"{value / mib:>11.2f}")
             diff = self.total - formula
             lines.append(f"  {'difference':<16}{diff:>14.0f}{diff / mib:>11.2f}"
-                         f"  (total - formula: padding + scratch)")
+                         f"  (total - formula: padding + scratch"
+                         f"{' + checkpoint buffer' if self.checkpoint_buffer else ''})")
         return "\n".join(lines)
 
 
