@@ -307,23 +307,55 @@ def _publish(root: Path, tmp: Path, manifest: dict, keep: int | None) -> str:
 
 
 def _prune(root: Path, latest: str, keep: int | None) -> None:
-    """Remove what crashed saves left, and complete checkpoints beyond the newest ``keep``."""
-    for entry in root.iterdir():
-        if entry.name.startswith(".tmp-") and entry.is_dir():
-            _remove_tree(entry)
+    """Remove what crashed saves left, and complete checkpoints beyond the newest ``keep``;
+    never raises (what cannot be removed stays). Only real directories are candidates: a link
+    named ``.tmp-*`` or ``ckpt-*`` (an archived checkpoint linked back) is the user's, left in
+    place and not counted; ``_remove_tree`` leaves a directory holding anything else."""
+    try:
+        with os.scandir(root) as entries:
+            dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for name in dirs:
+        if name.startswith(".tmp-"):
+            _remove_tree(root / name)
     if keep is None:
         return
-    complete = sorted((e for e in root.iterdir() if _NAME.match(e.name) and e.is_dir()),
-                      key=lambda e: int(e.name.rsplit("-", 1)[1]))
-    for entry in complete[:-keep]:
-        if entry.name != latest:
-            _remove_tree(entry)
+    complete = sorted((name for name in dirs if _NAME.match(name)),
+                      key=lambda name: int(name.rsplit("-", 1)[1]))
+    for name in complete[:-keep]:
+        if name != latest:
+            _remove_tree(root / name)
 
 
-def _remove_tree(path: Path) -> None:
-    for entry in path.iterdir():
-        entry.unlink()
-    path.rmdir()
+#: The names of the files a save writes into its directory.
+_OWN = re.compile(r"^(shard-\d{5,}\.npy|manifest\.json|manifest\.sha256)\Z")
+
+
+def _remove_tree(path: Path) -> bool:
+    """Remove the directory ``path`` if it is a save's: a directory (not a link to one) that
+    holds only regular files of the names a save writes. Anything else in it (another file, a
+    link, a directory) leaves it whole; nothing is followed. Returns whether it is gone; never
+    raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone, not a directory, or a link
+        return False
+    try:
+        with os.scandir(fd) as entries:
+            found = [(e.name, _OWN.match(e.name) and e.is_file(follow_symlinks=False))
+                     for e in entries]
+        names = [name for name, own in found if own]
+        if len(names) < len(found):  # something that is not a save's: none of it is touched
+            return False
+        for name in names:
+            os.unlink(name, dir_fd=fd)
+        os.rmdir(path)  # fails on anything that appeared meanwhile, and on a link
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _write_synced(file: Path, data: bytes) -> None:
