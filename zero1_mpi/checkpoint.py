@@ -4,10 +4,11 @@ A root holds complete checkpoints ``ckpt-<step>-<time>/`` and ``LATEST`` (the cu
 and its manifest's SHA-256). A checkpoint is ``manifest.json`` (rule, rows, layout, step,
 options, loss scaler, each file's ranges, size and SHA-256), ``manifest.sha256`` and a float32
 ``shard-<k>.npy`` (rows ``state_rows`` over the flat ranges held) per shard of the first group:
-every byte is checked before ``load`` changes anything. Flat positions do not depend on the
-world size. ``save`` publishes by synced atomic renames; ``start_save`` writes from a host copy
-in a thread, published by ``PendingSave.finish``. The optimizer is read and written through
-``shard_state``, ``gather_params`` and ``restore_counters``. All ranks; nothing is unpickled.
+every byte is checked before ``load`` changes anything; nothing is unpickled. Flat positions
+do not depend on the world size. ``save`` publishes by synced atomic renames, ``start_save``
+from a host copy written in a thread (``PendingSave.finish``). Saves remove only saves' files,
+following no link; a failed one removes what it wrote, then raises on every rank. The state
+goes through ``shard_state``, ``gather_params`` and ``restore_counters``. All ranks.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class CheckpointError(ValueError):
 # -- saving ----------------------------------------------------------------------------------
 
 def save(opt, path, keep: int | None = None) -> Path:
-    """Write a checkpoint of ``opt`` under the root ``path``; return its directory."""
+    """Write a checkpoint of ``opt`` under the root ``path``; return its directory. A failure
+    removes what this save wrote, then raises ``CheckpointError`` on every rank."""
     root, tmp = _begin(opt, path, keep)
     info = error = None
     name = f"shard-{opt.shard_rank:05d}.npy"
@@ -68,7 +70,7 @@ def save(opt, path, keep: int | None = None) -> Path:
                     "ranges": _ranges(opt)}
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
-    opt.comm.agree(error)
+    _agree_written(opt.comm, error, tmp)
     return _finish(opt.comm, root, tmp, _manifest(opt), info, keep)
 
 
@@ -79,7 +81,8 @@ class PendingSave:
     writes and syncs it while training goes on. The checkpoint is published (renamed into
     place, ``LATEST`` replaced, exactly as ``save`` does) by the first step after every rank's
     write has finished, or by ``wait()``. ``path``: the checkpoint directory once published;
-    ``error``: the ``CheckpointError`` if it failed (the previous checkpoint stays ``LATEST``).
+    ``error``: the ``CheckpointError`` if it failed (what it wrote is removed; the previous
+    checkpoint stays ``LATEST``).
     """
 
     def __init__(self, opt, root: Path, tmp: Path, keep, step: int):
@@ -119,7 +122,7 @@ class PendingSave:
             self._thread.join()
         comm = self._opt.comm
         try:
-            comm.agree(self._write_error)
+            _agree_written(comm, self._write_error, self._tmp)
             self.path = _finish(comm, self.root, self._tmp, self._manifest, self._info,
                                 self._keep)
         except CheckpointError as exc:  # raised on every rank by agree()
@@ -215,6 +218,19 @@ def _finish(comm, root: Path, tmp: Path, manifest: dict, info, keep) -> Path:
     return root / comm.bcast_object(final)
 
 
+def _agree_written(comm, error, tmp: Path) -> None:
+    """Agree on the ranks' write errors; if any rank failed, rank 0 removes the save's hidden
+    directory (every rank's file in it) before the error is raised on every rank, so the
+    space is free for the next save. All ranks."""
+    try:
+        comm.agree(error)
+    except Exception:
+        if comm.rank == 0:
+            _remove_tree(tmp)
+        comm.bcast_object(None)  # every rank raises once it is gone
+        raise
+
+
 def row_views(opt, lo: int, hi: int, state: int) -> list:
     """This rank's state over flat ``[lo, hi)`` (which starts at ``state`` in its shard
     arrays), one view per row of ``opt.state_rows``."""
@@ -261,14 +277,18 @@ def _write_shard(file: Path, shape: tuple[int, int], chunks) -> dict:
     digest = hashlib.sha256(header.getvalue())
     size = len(header.getvalue())
     with open(file, "wb") as f:
-        f.write(header.getvalue())
-        for chunk in chunks:
-            data = np.ascontiguousarray(chunk, dtype="<f4").data
-            f.write(data)
-            digest.update(data)
-            size += data.nbytes
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            f.write(header.getvalue())
+            for chunk in chunks:
+                data = np.ascontiguousarray(chunk, dtype="<f4").data
+                f.write(data)
+                digest.update(data)
+                size += data.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:  # a partial file (a full disk) is not left holding the space
+            _unlink(file)
+            raise
     return {"file": file.name, "bytes": size, "sha256": digest.hexdigest()}
 
 
@@ -293,14 +313,21 @@ def _publish(root: Path, tmp: Path, manifest: dict, keep: int | None) -> str:
     manifest = {**manifest, "saved_at": time.time()}
     text = json.dumps(manifest, indent=1).encode()
     digest = hashlib.sha256(text).hexdigest()
-    _write_synced(tmp / MANIFEST, text)
-    _write_synced(tmp / MANIFEST_DIGEST, f"{digest}  {MANIFEST}\n".encode())
-    _sync_dir(tmp)
     final = f"ckpt-{manifest['step']:08d}-{tmp.name.rsplit('-', 1)[1]}"
-    os.rename(tmp, root / final)
-    _sync_dir(root)
-    _write_synced(root / f".{LATEST}.tmp", f"{final}\n{digest}\n".encode())
-    os.replace(root / f".{LATEST}.tmp", root / LATEST)
+    written = tmp  # until LATEST names it, a failure removes what this save wrote
+    try:
+        _write_synced(tmp / MANIFEST, text)
+        _write_synced(tmp / MANIFEST_DIGEST, f"{digest}  {MANIFEST}\n".encode())
+        _sync_dir(tmp)
+        os.rename(tmp, root / final)
+        written = root / final
+        _sync_dir(root)
+        _write_synced(root / f".{LATEST}.tmp", f"{final}\n{digest}\n".encode())
+        os.replace(root / f".{LATEST}.tmp", root / LATEST)
+    except BaseException:
+        _unlink(root / f".{LATEST}.tmp")
+        _remove_tree(written)
+        raise
     _sync_dir(root)
     _prune(root, final, keep)
     return final
@@ -356,6 +383,15 @@ def _remove_tree(path: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def _unlink(file: Path) -> None:
+    """Remove ``file`` (a link itself, never what it points to) if it is there; never
+    raises."""
+    try:
+        os.unlink(file)
+    except OSError:
+        pass
 
 
 def _write_synced(file: Path, data: bytes) -> None:
