@@ -19,7 +19,7 @@ from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels_numba import FP16_TABLE, NumbaKernel, fp32_chunk, jit, param_bits, round_params, \
     split_grad
 from ..reductions import NUMPY_CHUNK
-from . import Rule
+from ..rule import Rule
 from .options import betas as check_betas
 from .options import non_negative
 

@@ -21,7 +21,7 @@ from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels_numba import CHUNK, FP16_TABLE, NO_F32, NumbaKernel, fp32_chunk, jit, param_bits, \
     round_params, split_grad
 from ..reductions import NUMPY_CHUNK
-from . import Rule
+from ..rule import Rule
 from .options import non_negative
 
 __all__ = ["SGD", "SGDScalars", "NumpySGD", "NumbaSGD", "CupySGD", "ZeroSGD"]
