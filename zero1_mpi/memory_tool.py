@@ -1,12 +1,13 @@
-"""``python -m zero1_mpi.memory --params 7B --ranks 64`` (console script: ``zero1-memory``).
+"""The memory tool: ``zero1-memory --params 7B --ranks 64`` (or ``python -m zero1_mpi.memory``).
 
 Prints, per rank count, each rank's memory (GB = 1e9 bytes) for Ψ parameters: the baseline
-(plain data parallelism), stage 1 (what zero1_mpi does) and, for reference, stages 2 and 3,
-then the formulas in words. ``--rule``: the update rule, its bytes per parameter K of the
-sharded part from ``zero1_mpi.rules.registry``; ``--param-dtype``; ``--offload cpu``: stage 1's
-device/host split (as ``MemoryReport``); ``--shard-group-size G``: the state sharded over G
-ranks. Bad input: argparse's one-line error, exit status 2. ``table_options`` and
-``describe`` serve tools/memory_table.py too. (The package's ``__init__`` imports no rules.)
+(plain data parallelism), stages 1 and 2 (what zero1_mpi does; 2 with ``shard_gradients=True``)
+and, for reference, stage 3, then the formulas in words. ``--rule``: the update rule, its bytes
+per parameter K of the sharded part from ``zero1_mpi.rules.registry``; ``--param-dtype``;
+``--offload cpu``: stage 1's device/host split (as ``MemoryReport``); ``--shard-group-size G``:
+the state sharded over G ranks. Bad input: argparse's one-line error, exit status 2.
+``table_options`` and ``describe`` serve tools/memory_table.py too. It sits above the rules
+(``zero1_mpi.memory`` imports none) and starts no MPI.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import argparse
 import os
 import sys
 
-from ..rules.registry import builtin_rules, get, rule_bytes_per_param, rule_states
-from . import (
+from .memory import (
     FP32_DTYPES,
     MIXED_DTYPES,
     format_param_count,
     format_table,
     parse_param_count,
 )
+from .rules.registry import builtin_rules, get, rule_bytes_per_param, rule_states
 
 __all__ = ["DEFAULT_MOMENTUM", "DEFAULT_RANKS", "describe", "formulas", "main",
            "momentum_arg", "param_count_arg", "table_options"]
@@ -92,7 +93,8 @@ def formulas(rule: str = "adam", param_dtype: str = "float16",
             ("Stage 1", _stage1_label(k, param_dtype, offload, n),
              f"zero1_mpi: {param_dtype} params, grads on every rank; K sharded over "
              + over + where),
-            ("Stage 2", f"{p}Ψ+{_num(g + k)}Ψ/{n}", "for reference: the grads sharded too"),
+            ("Stage 2", f"{p}Ψ+{_num(g + k)}Ψ/{n}",
+             "zero1_mpi with shard_gradients=True: the grads sharded too"),
             ("Stage 3", f"{_num(p + g + k)}Ψ/{n}", "for reference: params, grads, state sharded")]
     width = max(len(formula) for _, formula, _ in rows) + 3
     head = (f"Per rank, Ψ{psi} parameters, N ranks; K = {_num(k)} bytes per parameter "
@@ -152,7 +154,8 @@ def main(argv=None) -> int:
         prog=_prog(), usage="%(prog)s [-h] [--params PSI] [--ranks N [N ...]] [--rule RULE] "
                             "[options]",
         description="Per-rank memory of ZeRO data parallelism (GB = 1e9 bytes): baseline, "
-                    "stage 1 (zero1_mpi), and stages 2 and 3 for reference.")
+                    "stages 1 and 2 (zero1_mpi; 2 with shard_gradients=True), and stage 3 "
+                    "for reference.")
     parser.add_argument("--params", type=param_count_arg, default=DEFAULT_PARAMS, metavar="PSI",
                         help="parameter count Ψ: 7B, 1.5B, 350M, 125000000, 1.3e9 (default 7B)")
     parser.add_argument("--ranks", type=_rank_counts, nargs="+", default=None, metavar="N",

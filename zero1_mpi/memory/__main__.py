@@ -1,0 +1,11 @@
+"""``python -m zero1_mpi.memory``: runs the memory tool (``zero1_mpi.memory_tool``), the
+``zero1-memory`` console script. A program's entry point, which no module imports."""
+
+import sys
+
+from zero1_mpi.memory_tool import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())
