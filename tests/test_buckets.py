@@ -10,7 +10,10 @@ from mpi4py import MPI
 
 from zero1_mpi import Communicator, build_layout
 from zero1_mpi.buckets import BucketPipeline
+from zero1_mpi.gathers import ParamGathers
 from zero1_mpi.reductions import NumpyReductions
+from zero1_mpi.topology import Topology
+from zero1_mpi.watchdog import Watchdog
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
@@ -20,9 +23,10 @@ SHAPES = {"a": (40,), "b": (60,), "c": (50,)}
 
 def pipeline():
     layout = build_layout(SHAPES, 1, "float32", bucket_elements=64)
-    params, grads = np.zeros(layout.total, np.float32), np.zeros(layout.total, np.float32)
-    comm = Communicator(MPI.COMM_SELF)
-    return BucketPipeline(layout, params, grads, comm, None, False, NumpyReductions()), grads
+    topology = Topology(Communicator(MPI.COMM_SELF), 1, owns_comm=True)
+    buckets = BucketPipeline(layout, np, np.float32, topology, False, NumpyReductions(),
+                             Watchdog(None))
+    return buckets, buckets.buffer
 
 
 def test_buckets_start_last_to_first_once_their_tensors_are_ready():
@@ -62,9 +66,11 @@ def test_reduce_all_returns_every_shard_and_begins_a_new_round():
 
 def test_gathers_are_counted_until_waited_for():
     buckets, _ = pipeline()
+    gathers = ParamGathers(buckets.layout, np.zeros(buckets.layout.total, np.float32),
+                           Communicator(MPI.COMM_SELF), Watchdog(None))
     for index in (2, 1, 0):
-        buckets.start_gather(index)
-    assert buckets.gathers_in_flight == 3
-    buckets.wait_gathers()
-    assert buckets.gathers_in_flight == 0
+        gathers.start(index)
+    assert gathers.in_flight == 3
+    gathers.wait()
+    assert gathers.in_flight == 0
     assert buckets.scratch_bytes == 0  # no 16-bit exchange: no receive slots

@@ -93,9 +93,9 @@ def test_the_export_is_a_safetensors_file(tmp_path):
                                                                   "exp_avg_sq") for name in init)
     for t in opt.layout.tensors:
         flat = slice(t.offset, t.offset + t.numel)  # one rank: state index == flat index
-        assert np.array_equal(loaded[f"master/{t.name}"].reshape(-1), opt._master[flat])
+        assert np.array_equal(loaded[f"master/{t.name}"].reshape(-1), opt.state.master[flat])
         assert np.array_equal(loaded[f"exp_avg_sq/{t.name}"].reshape(-1),
-                              opt._state["exp_avg_sq"][flat])
+                              opt.state.state["exp_avg_sq"][flat])
         assert loaded[f"exp_avg/{t.name}"].shape == t.shape
     assert loaded["exp_avg/w"].min() > 0 and not loaded["exp_avg/s"].any()
 

@@ -33,7 +33,7 @@ def make(bucket_elements=64):
 
 
 def state_digest(opt) -> tuple:
-    arrays = [opt._params, opt._master, *opt._state.values()]
+    arrays = [opt.state.flat, opt.state.master, *opt.state.state.values()]
     return hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest(), opt.step_count
 
 

@@ -84,7 +84,7 @@ def test_optimizer_on_cupy_arrays_keeps_views_on_the_gpu():
     assert opt.backend == "cupy" and isinstance(opt.params["w"], cupy.ndarray)
     opt.grads["w"][...] = 1
     opt.step()
-    assert cupy.shares_memory(opt.params["w"], opt._params)
+    assert cupy.shares_memory(opt.params["w"], opt.state.flat)
     assert abs(float(opt.params["w"][0, 0]) - (1 - 0.1 * 0.01 - 0.1)) < 1e-2
 
 
@@ -243,7 +243,7 @@ def test_offloaded_memory_is_split_between_device_and_host():
     assert abs(device - report.device_bytes) <= 64 * 1024, (device, report.device_bytes)
     # Page-locked buffers (the copies' and MPI's staging) come from CuPy's pinned pool, which
     # tracemalloc does not see: all the host scratch but the host kernel's.
-    pinned = report.host_scratch - opt._kernel.scratch_bytes
+    pinned = report.host_scratch - opt.state.kernel.scratch_bytes
     assert abs(host + pinned - report.host_bytes) <= 256 * 1024, (host, pinned, report)
 
 

@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from mpirun import run_mpi
 from zero1_mpi import Communicator
-from zero1_mpi.engine import resolve_shard_group_size
+from zero1_mpi.topology import resolve_shard_group_size
 
 
 @pytest.mark.parametrize("n, groups", [(4, "[2]"), (6, "[2, 3]")])

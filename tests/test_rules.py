@@ -84,7 +84,7 @@ def test_bad_options_name_the_value(options, words):
 
 def test_momentum_needs_a_buffer_chosen_at_construction():
     opt = ZeroSGD({"w": np.ones(4, np.float32)}, MPI.COMM_SELF, lr=0.1)
-    assert opt.rule.state_names == () and not opt._state  # no momentum buffer allocated
+    assert opt.rule.state_names == () and not opt.state.state  # no momentum buffer allocated
     opt.param_groups[0]["momentum"] = 0.9
     with pytest.raises(ValueError, match="needs a momentum buffer"):
         opt.step()

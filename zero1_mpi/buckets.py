@@ -1,12 +1,13 @@
-"""The bucket pipeline: each bucket's gradients reduced to this rank's shard, and its parameters
-all-gathered, as collectives in flight (in the spirit of Megatron-LM's bucket groups).
+"""The stage-1 gradient source: the full gradient buffer, each bucket of it reduced to this
+rank's shard as collectives in flight (in the spirit of Megatron-LM's bucket groups).
 
-``BucketPipeline`` owns a step's communication: which tensors are ready, the reductions started
-(an in-place reduce-scatter, or for 16-bit gradients an ``Alltoall`` into a receive slot summed
-here in fp32), the reduced shards, their sums across shard groups (hierarchical sharding) and
-the parameters' all-gathers. Reductions start last bucket first, the order of a backward pass
-and the same on every rank. Methods that start or complete collectives must be called on all
-ranks, with the same arguments.
+``BucketPipeline`` holds the flat gradient buffer (the model writes ``grads[name]``, views of
+it) and a step's reductions: which tensors are ready, the reductions started (an in-place
+reduce-scatter, or for 16-bit gradients an ``Alltoall`` into a receive slot summed here in fp32),
+the reduced shards and their sums across shard groups (hierarchical sharding). Reductions start
+last bucket first, the order of a backward pass and the same on every rank. It is the
+``gradients.GradientSource`` of ``shard_gradients=False``. Methods that start or complete
+collectives must be called on all ranks, with the same arguments.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import weakref
 import numpy as np
 
 from . import backend
+from .views import Views
 from .watchdog import Watchdog
 
 __all__ = ["BucketPipeline"]
@@ -24,35 +26,39 @@ FP32 = np.dtype(np.float32)
 
 
 class BucketPipeline:
-    """The collectives of one optimizer's buckets, over the flat ``params`` and ``grads``.
+    """The full gradient buffer of ``layout`` and its reductions to this rank's shard.
 
     Args:
-        layout: the ``Layout`` of both buffers.
-        params, grads: the flat parameter and gradient buffers (NumPy or CuPy); ``grads``
-            None with gradient sharding, which reduces elsewhere (``grad_shards``): then this
-            runs the gathers only.
-        shard_comm: the ``Communicator`` of this rank's shard group.
-        replica_comm: the ``Communicator`` of the ranks holding the same shard in the other
-            groups, or None when there is one group.
+        layout: the ``Layout`` of the flat buffers.
+        xp, dtype: the array module (NumPy or CuPy) and the gradients' dtype (the parameters').
+        topology: the shard groups (``topology.Topology``): reductions within ``shard_comm``,
+            sums across ``replica_comm``; ``comm`` ends the job when a rank fails between them.
         exchange_16bit: reduce 16-bit gradients by ``Alltoall`` and an fp32 sum here (else by
             MPI's reduce-scatter in the gradients' dtype).
         reductions: the engine's reductions (``reductions.reductions_for``), for that sum.
+        watch: the ``Watchdog`` told where this rank waits (phase, bucket).
     """
 
-    #: Where this rank waits (phase, bucket) for a ``Watchdog``: the optimizer sets its own.
-    watch = Watchdog(None)
+    #: The full gradient buffer (not a shard).
+    sharded = False
+    #: Stage 1 finds no bad hand-over, and starts its reductions in one order on every rank.
+    problem: str | None = None
+    order_digest = 0
 
-    def __init__(self, layout, params, grads, shard_comm, replica_comm, exchange_16bit: bool,
-                 reductions):
-        self.layout = layout
-        self._params, self._grads = params, grads
-        self._shard_comm, self._replica_comm = shard_comm, replica_comm
+    def __init__(self, layout, xp, dtype, topology, exchange_16bit: bool, reductions,
+                 watch: Watchdog):
+        self.layout, self.watch = layout, watch
+        #: The flat gradient buffer; ``grads``: its views by name (what the model writes).
+        self.buffer = grads = backend.zeros(xp, layout.total, dtype)
+        self.grads = Views(layout, grads)
+        self._grads = grads
+        self._comm, self._replica_comm = topology.comm, topology.replica_comm
+        self._shard_comm = topology.shard_comm
         self._reductions = reductions
         # 16-bit exchanges land in receive slots; two let one bucket's sum run while the next
         # bucket's exchange is in flight.
         slots = min(2, len(layout.buckets)) if exchange_16bit else 0
-        xp = backend.xp_for(backend.backend_name(params))
-        self._received = xp.empty((slots, max(b.size for b in layout.buckets)), params.dtype) \
+        self._received = xp.empty((slots, max(b.size for b in layout.buckets)), dtype) \
             if slots else None
         self._tensor_buckets = {t.name: [b.index for b in layout.buckets
                                          if b.offset < t.offset + t.numel
@@ -60,11 +66,9 @@ class BucketPipeline:
                                 for t in layout.tensors}
         self._bucket_tensors = [sum(b.index in ids for ids in self._tensor_buckets.values())
                                 for b in layout.buckets]
-        self._gathers = []
         self._new_round()
         # Persistent requests hold these buffers: free them when the pipeline goes.
-        self._release = weakref.finalize(self, shard_comm.close,
-                                         [params, grads, self._received])
+        self._release = weakref.finalize(self, self._shard_comm.close, [grads, self._received])
 
     @property
     def started(self) -> tuple[int, ...]:
@@ -72,19 +76,40 @@ class BucketPipeline:
         return tuple(self._started_order)
 
     @property
-    def gathers_in_flight(self) -> int:
-        """How many all-gathers have started and not yet been waited for."""
-        return len(self._gathers)
-
-    @property
     def scratch_bytes(self) -> int:
         """Bytes of the receive slots (16-bit exchanges only)."""
         return 0 if self._received is None else self._received.nbytes
 
+    def ready(self, names) -> None:
+        """``grads_ready``: check ``names`` (a usage error raises before any collective
+        starts), then declare them final (``mark_ready``)."""
+        names = self.check_ready(names)
+        with self._comm.abort_on_error("in grads_ready()"):
+            self.mark_ready(names)
+
+    def add(self, name: str, grad) -> None:
+        """Stage 2's hand-over, refused: the model writes ``grads[name]`` instead."""
+        raise ValueError("add_grad() hands gradients over with shard_gradients=True; "
+                         "without it, write them into opt.grads[name]")
+
+    def missing(self) -> list[str]:
+        """Stage 2's tensors not yet handed over: none here."""
+        return []
+
+    def zero(self) -> None:
+        """Set every gradient to zero, the reductions started this round completed and
+        forgotten first."""
+        if self._started_order:
+            with self._comm.abort_on_error("in zero_grad() while completing reductions"):
+                self.discard()
+        self._grads.fill(0)
+
     def close(self) -> None:
-        """Complete and free the persistent requests on this pipeline's buffers (what its
-        collection would do); idempotent. Must be called on all ranks, with nothing in
-        flight."""
+        """Complete what is in flight (its gradients dropped) and free the persistent requests
+        on this pipeline's buffers (what its collection would do); idempotent. Must be
+        called on all ranks."""
+        with self._comm.abort_on_error("in close() while completing the reductions in flight"):
+            self.discard()
         self._release()
 
     def check_ready(self, names) -> list[str]:
@@ -136,29 +161,6 @@ class BucketPipeline:
         for request in self._across.values():
             request.wait()
         self._new_round()
-
-    def start_gather(self, index: int) -> None:
-        """Start the all-gather of bucket ``index`` of the parameters (this rank's shard of
-        it written)."""
-        bucket = self.layout.buckets[index]
-        self.watch.bucket = index
-        self._gathers.append((index, self._shard_comm.start_allgather(
-            self._params[bucket.offset:bucket.offset + bucket.size])))
-
-    def wait_gathers(self) -> None:
-        """Complete the all-gathers in flight."""
-        watch = self.watch
-        watch.phase = "gather"
-        for index, request in self._gathers:
-            watch.bucket = index
-            request.wait()
-        self._gathers.clear()
-
-    def gather_all(self) -> None:
-        """All-gather every bucket of the parameters, blocking."""
-        for bucket in self.layout.buckets:
-            self._shard_comm.allgather_inplace(
-                self._params[bucket.offset:bucket.offset + bucket.size])
 
     # -- internals ---------------------------------------------------------------------------
 

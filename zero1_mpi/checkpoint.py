@@ -7,8 +7,8 @@ options, loss scaler, each file's ranges, size and SHA-256), ``manifest.sha256``
 every byte is checked before ``load`` changes anything; nothing is unpickled. Flat positions
 do not depend on the world size. ``save`` publishes by synced atomic renames, ``start_save``
 from a host copy written in a thread (``PendingSave.finish``). Saves remove only saves' files,
-following no link; a failed one removes what it wrote, then raises on every rank. The state
-goes through ``shard_state``, ``gather_params`` and ``restore_counters``. All ranks.
+following no link; a failed one removes what it wrote, then raises on every rank. It reads
+and writes the sharded state (``state.ShardedState``) and the step's ``Counters``. All ranks.
 """
 
 from __future__ import annotations
@@ -58,20 +58,21 @@ class CheckpointError(ValueError):
 
 # -- saving ----------------------------------------------------------------------------------
 
-def save(opt, path, keep: int | None = None) -> Path:
-    """Write a checkpoint of ``opt`` under the root ``path``; return its directory. A failure
-    removes what this save wrote, then raises ``CheckpointError`` on every rank."""
-    root, tmp = _begin(opt, path, keep)
+def save(comm, state, counters, path, keep: int | None = None) -> Path:
+    """Write a checkpoint of ``state`` and ``counters`` under the root ``path``; return its
+    directory. A failure removes what this save wrote, then raises ``CheckpointError`` on
+    every rank."""
+    root, tmp = _begin(comm, counters.step, path, keep)
     info = error = None
-    name = f"shard-{opt.shard_rank:05d}.npy"
+    name = f"shard-{state.shard_rank:05d}.npy"
     try:  # one copy of the state: the first shard group writes it (the others replicate it)
-        if _writes(opt):
-            info = {**_write_shard(tmp / name, _shape(opt), _state_chunks(opt)),
-                    "ranges": _ranges(opt)}
+        if state.writes:
+            info = {**_write_shard(tmp / name, _shape(state), _state_chunks(state)),
+                    "ranges": _ranges(state)}
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
-    _agree_written(opt.comm, error, tmp)
-    return _finish(opt.comm, root, tmp, _manifest(opt), info, keep)
+    _agree_written(comm, error, tmp)
+    return _finish(comm, root, tmp, _manifest(comm, state, counters), info, keep)
 
 
 class PendingSave:
@@ -85,9 +86,10 @@ class PendingSave:
     checkpoint stays ``LATEST``).
     """
 
-    def __init__(self, opt, root: Path, tmp: Path, keep, step: int):
-        self._opt, self.root, self._tmp, self._keep, self.step = opt, root, tmp, keep, step
-        self._manifest = _manifest(opt)  # what the snapshot is of, taken with it
+    def __init__(self, comm, state, root: Path, tmp: Path, keep, manifest: dict):
+        self._comm, self._state, self.root, self._tmp = comm, state, root, tmp
+        self._keep, self.step = keep, manifest["step"]
+        self._manifest = manifest  # what the snapshot is of, taken with it
         self._info = self._write_error = None
         self._thread = None
         self.path: Path | None = None
@@ -95,7 +97,7 @@ class PendingSave:
         self.done = False
 
     def _start(self, snapshot) -> None:
-        name, ranges = f"shard-{self._opt.shard_rank:05d}.npy", _ranges(self._opt)
+        name, ranges = f"shard-{self._state.shard_rank:05d}.npy", _ranges(self._state)
 
         def write():
             try:
@@ -120,7 +122,7 @@ class PendingSave:
             return
         if self._thread is not None:
             self._thread.join()
-        comm = self._opt.comm
+        comm = self._comm
         try:
             _agree_written(comm, self._write_error, self._tmp)
             self.path = _finish(comm, self.root, self._tmp, self._manifest, self._info,
@@ -143,16 +145,17 @@ class PendingSave:
         return self.path
 
 
-def start_save(opt, path, keep: int | None, snapshot) -> PendingSave:
-    """Begin a checkpoint of ``opt`` under ``path`` written in the background: copy this
-    rank's shard into ``snapshot`` (a host float32 array of ``snapshot_shape(opt)``, or None on
-    a rank that writes nothing) and start the writer. All ranks."""
-    root, tmp = _begin(opt, path, keep)
-    pending = PendingSave(opt, root, tmp, keep, opt.step_count)
+def start_save(comm, state, counters, path, keep: int | None, snapshot) -> PendingSave:
+    """Begin a checkpoint of ``state`` and ``counters`` under ``path`` written in the
+    background: copy this rank's shard into ``snapshot`` (a host float32 array of
+    ``snapshot_shape(state)``, or None on a rank that writes nothing) and start the writer.
+    All ranks."""
+    root, tmp = _begin(comm, counters.step, path, keep)
+    pending = PendingSave(comm, state, root, tmp, keep, _manifest(comm, state, counters))
     if snapshot is not None:
-        with opt.comm.abort_on_error("while copying the shard for a checkpoint"):
+        with comm.abort_on_error("while copying the shard for a checkpoint"):
             column = 0
-            for data in _state_chunks(opt, by_row=False):
+            for data in _state_chunks(state, by_row=False):
                 for row, values in enumerate(data):
                     snapshot[row, column:column + values.size] = values
                 column += data[0].size
@@ -160,23 +163,19 @@ def start_save(opt, path, keep: int | None, snapshot) -> PendingSave:
     return pending
 
 
-def snapshot_shape(opt) -> tuple[int, int] | None:
+def snapshot_shape(state) -> tuple[int, int] | None:
     """The host buffer a non-blocking save copies this rank's shard into (None: this rank
     writes no file: it holds a replica of the first shard group's state)."""
-    return _shape(opt) if _writes(opt) else None
+    return _shape(state) if state.writes else None
 
 
-def _writes(opt) -> bool:
-    return opt.rank < opt.shard_group_size
+def _ranges(state) -> list[list[int]]:
+    return [[lo, hi] for lo, hi, _ in state.layout.owned(state.shard_rank)]
 
 
-def _ranges(opt) -> list[list[int]]:
-    return [[lo, hi] for lo, hi, _ in opt.layout.owned(opt.shard_rank)]
-
-
-def _shape(opt) -> tuple[int, int]:
-    owned = opt.layout.owned(opt.shard_rank)
-    return len(opt.state_rows), sum(hi - lo for lo, hi, _ in owned)
+def _shape(state) -> tuple[int, int]:
+    owned = state.layout.owned(state.shard_rank)
+    return len(state.rows), sum(hi - lo for lo, hi, _ in owned)
 
 
 def check_keep(keep) -> None:
@@ -185,9 +184,9 @@ def check_keep(keep) -> None:
         raise ValueError(f"keep={keep!r} must be None (keep all) or an integer >= 1")
 
 
-def _begin(opt, path, keep) -> tuple[Path, Path]:
+def _begin(comm, step: int, path, keep) -> tuple[Path, Path]:
     """Check ``keep``, make the hidden directory a save writes into; all ranks."""
-    comm, root = opt.comm, Path(path)
+    root = Path(path)
     error = tmp_name = None
     try:
         check_keep(keep)
@@ -196,7 +195,7 @@ def _begin(opt, path, keep) -> tuple[Path, Path]:
     if error is None and comm.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            tmp_name = f".tmp-{opt.step_count:08d}-{time.time_ns()}"
+            tmp_name = f".tmp-{step:08d}-{time.time_ns()}"
             (root / tmp_name).mkdir()
         except OSError as exc:
             error = CheckpointError(f"cannot create a checkpoint under {root}: {exc}")
@@ -231,35 +230,35 @@ def _agree_written(comm, error, tmp: Path) -> None:
         raise
 
 
-def row_views(opt, lo: int, hi: int, state: int) -> list:
-    """This rank's state over flat ``[lo, hi)`` (which starts at ``state`` in its shard
-    arrays), one view per row of ``opt.state_rows``."""
-    views = opt.shard_state(lo, hi, state)
-    return [views[row] for row in opt.state_rows]
+def row_views(state, lo: int, hi: int, start: int) -> list:
+    """``state``'s views over flat ``[lo, hi)`` (which starts at ``start`` in its shard
+    arrays), one per row of ``state.rows``."""
+    views = state.views(lo, hi, start)
+    return [views[row] for row in state.rows]
 
 
-def check_rule(opt, saved_rule, where) -> None:
-    """A checkpoint holds the state of one update rule: only that rule can load it."""
-    if saved_rule != opt.rule.name:
+def check_rule(rule, saved_rule, where) -> None:
+    """A checkpoint holds the state of one update rule: only that ``rule`` can load it."""
+    if saved_rule != rule.name:
         raise CheckpointError(f"{where} holds the state of the {saved_rule!r} rule, but the "
-                              f"optimizer runs {opt.rule.name!r}: load it into an optimizer of "
+                              f"optimizer runs {rule.name!r}: load it into an optimizer of "
                               "the rule that saved it")
 
 
-def _state_chunks(opt, by_row: bool = True):
+def _state_chunks(state, by_row: bool = True):
     """This rank's state rows over the ranges it owns, in the file's order, at most ``CHUNK``
     elements at a time: arrays (``by_row``: row by row, as the file holds them) or, else, the
     list of every row's piece of one chunk of columns."""
-    ranges = opt.layout.owned(opt.shard_rank)
-    pieces = [(start, min(hi, start + CHUNK), state + start - lo)
-              for lo, hi, state in ranges for start in range(lo, hi, CHUNK)]
+    ranges = state.layout.owned(state.shard_rank)
+    pieces = [(start, min(hi, start + CHUNK), first + start - lo)
+              for lo, hi, first in ranges for start in range(lo, hi, CHUNK)]
     if by_row:
-        for row in range(len(opt.state_rows)):
-            for start, stop, state in pieces:
-                yield to_numpy(row_views(opt, start, stop, state)[row])
+        for row in range(len(state.rows)):
+            for start, stop, first in pieces:
+                yield to_numpy(row_views(state, start, stop, first)[row])
     else:
-        for start, stop, state in pieces:
-            yield [to_numpy(view) for view in row_views(opt, start, stop, state)]
+        for start, stop, first in pieces:
+            yield [to_numpy(view) for view in row_views(state, start, stop, first)]
 
 
 def _snapshot_chunks(snapshot):
@@ -292,20 +291,21 @@ def _write_shard(file: Path, shape: tuple[int, int], chunks) -> dict:
     return {"file": file.name, "bytes": size, "sha256": digest.hexdigest()}
 
 
-def _manifest(opt) -> dict:
-    """The manifest of ``opt`` as it is now, but the files (and the time of writing)."""
+def _manifest(comm, state, counters) -> dict:
+    """The manifest of ``state`` and ``counters`` as they are now, but the files (and the
+    time of writing)."""
     return {
         "format": FORMAT, "version": VERSION,
-        "fingerprint": fingerprint(opt),
-        "world_size": opt.world_size, "shard_group_size": opt.shard_group_size,
-        "step": opt.step_count,
-        "param_dtype": opt.param_dtype.name, "numel": opt.layout.numel,
-        "rule": opt.rule.name, "rows": list(opt.state_rows),
+        "fingerprint": fingerprint(state, counters.param_groups),
+        "world_size": comm.size, "shard_group_size": state.layout.group_size,
+        "step": counters.step,
+        "param_dtype": state.dtype.name, "numel": state.layout.numel,
+        "rule": state.rule.name, "rows": list(state.rows),
         "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
-                    for t in opt.layout.tensors],
-        "param_groups": [group_record(g, opt.rule) for g in opt.param_groups],
-        "rule_settings": opt.rule.settings(),
-        "max_grad_norm": opt.max_grad_norm, "loss_scaler": opt.scaler.state(),
+                    for t in state.layout.tensors],
+        "param_groups": [group_record(g, state.rule) for g in counters.param_groups],
+        "rule_settings": state.rule.settings(),
+        "max_grad_norm": counters.max_grad_norm, "loss_scaler": counters.scaler.state(),
     }
 
 
@@ -411,20 +411,20 @@ def _sync_dir(path: Path) -> None:
 
 # -- loading ---------------------------------------------------------------------------------
 
-def load(opt, path) -> Path:
+def load(comm, state, counters, path) -> Path:
     """Load the checkpoint at ``path`` (a root with ``LATEST``, or one checkpoint directory)
-    into ``opt``, whatever world size saved it; return the checkpoint directory."""
-    comm = opt.comm
-    error = reads = manifest = ckpt = counters = None
+    into ``state`` and ``counters``, whatever world size saved it; return the checkpoint
+    directory."""
+    error = reads = manifest = ckpt = saved = None
     try:
         ckpt, latest_digest = resolve(Path(path))
         manifest = read_manifest(ckpt, latest_digest)
-        check_compatible(opt, manifest, ckpt)
-        counters = read_counters(manifest, opt.param_groups, opt.rule, ckpt / MANIFEST)
-        if manifest.get("fingerprint") != fingerprint(opt):
+        check_compatible(state, manifest, ckpt)
+        saved = read_counters(manifest, counters.param_groups, state.rule, ckpt / MANIFEST)
+        if manifest.get("fingerprint") != fingerprint(state, counters.param_groups):
             raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the "
                                   "optimizer's")
-        reads = plan_reads(opt.layout.owned(opt.shard_rank), manifest["files"])
+        reads = plan_reads(state.layout.owned(state.shard_rank), manifest["files"])
         needed = {read[0] for read in reads}
         for index, entry in enumerate(manifest["files"]):
             if entry["file"] in needed:
@@ -442,23 +442,23 @@ def load(opt, path) -> Path:
 
     with comm.abort_on_error(f"while reading the checkpoint {ckpt}"):
         maps = {}
-        for file, column, lo, hi, state in reads:
+        for file, column, lo, hi, first in reads:
             if file not in maps:
                 maps[file] = np.load(ckpt / file, mmap_mode="r", allow_pickle=False)
             for start in range(lo, hi, CHUNK):
                 stop = min(hi, start + CHUNK)
                 columns = slice(column + start - lo, column + stop - lo)
-                for row, view in enumerate(row_views(opt, start, stop, state + start - lo)):
+                for row, view in enumerate(row_views(state, start, stop, first + start - lo)):
                     view[...] = backend.like(view, maps[file][row, columns])  # exact casts
         del maps
-        opt.gather_params()
-        opt.restore_counters(*counters)
+        state.publish()
+        counters.restore(*saved)
     return ckpt
 
 
 def read_counters(manifest: dict, groups: list, rule, where) -> tuple:
     """``(step, loss scaler, group options)`` of a checkpoint, checked before anything
-    changes: the arguments of ``opt.restore_counters``."""
+    changes: the arguments of ``Counters.restore``."""
     step = manifest.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"{where}: step={step!r} is not a step count")
@@ -569,9 +569,9 @@ def _check_manifest_digest(ckpt: Path, actual: str, latest_digest: str | None) -
                               "names another checkpoint than the one saved with it")
 
 
-def check_compatible(opt, manifest: dict, ckpt: Path) -> None:
-    """The checkpoint must hold the same tensors, dtype and param groups as ``opt``."""
-    mine = [(t.name, list(t.shape)) for t in opt.layout.tensors]
+def check_compatible(state, manifest: dict, ckpt: Path) -> None:
+    """The checkpoint must hold the same tensors, dtype, rule and rows as ``state``."""
+    mine = [(t.name, list(t.shape)) for t in state.layout.tensors]
     theirs = [(t["name"], list(t["shape"])) for t in manifest["tensors"]]
     if mine != theirs:
         if len(mine) != len(theirs):
@@ -582,20 +582,20 @@ def check_compatible(opt, manifest: dict, ckpt: Path) -> None:
                    f"{tuple(b[1])}"
         raise CheckpointError(f"{ckpt} holds different parameters: the checkpoint has {diff}: "
                               "build the optimizer with the names and shapes it was saved with")
-    if manifest["param_dtype"] != opt.param_dtype.name:
+    if manifest["param_dtype"] != state.dtype.name:
         raise CheckpointError(f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
-                              f"the optimizer has {opt.param_dtype.name!r}: use the same")
-    check_rule(opt, manifest.get("rule", "adam"), ckpt)  # version 1 without it: Adam's
-    if manifest["rows"] != list(opt.state_rows):
+                              f"the optimizer has {state.dtype.name!r}: use the same")
+    check_rule(state.rule, manifest.get("rule", "adam"), ckpt)  # version 1 without it: Adam's
+    if manifest["rows"] != list(state.rows):
         raise CheckpointError(f"{ckpt} holds the rows {manifest['rows']}, the optimizer keeps "
-                              f"{list(opt.state_rows)}")
+                              f"{list(state.rows)}")
 
 
 
-def fingerprint(opt) -> str:
+def fingerprint(state, param_groups) -> str:
     """What a checkpoint and an optimizer must share, independent of the world size."""
-    text = repr(([(t.name, t.shape) for t in opt.layout.tensors], opt.param_dtype.name,
-                 [list(g["names"]) for g in opt.param_groups]))
+    text = repr(([(t.name, t.shape) for t in state.layout.tensors], state.dtype.name,
+                 [list(g["names"]) for g in param_groups]))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -5,7 +5,8 @@ dtype, shape and byte range, then the raw data): ``<row>/<name>`` in float32 for
 optimizer's ``state_rows`` but ``param`` (``master/w``, ``exp_avg/w``, ...), and in
 ``__metadata__`` the rule, step, loss scaler and param groups. Both directions stream in
 bounded chunks (rank 0 writes what the owners send it; each rank reads only its own slices),
-and the file appears by an atomic rename once complete. Both functions must be called on all
+and the file appears by an atomic rename once complete. They read and write the sharded state
+(``state.ShardedState``) and the step's ``Counters``. Both functions must be called on all
 ranks, with a path every rank sees (for loading).
 """
 
@@ -30,19 +31,20 @@ FORMAT = "zero1_mpi.consolidated"
 VERSION = "1"
 
 
-def _rows(opt) -> tuple[str, ...]:
-    """The ``state_rows`` the file holds: all but the 16-bit ``param`` (the rounded master)."""
-    return tuple(row for row in opt.state_rows if row != "param")
+def _rows(state) -> tuple[str, ...]:
+    """The rows the file holds: all of ``state.rows`` but the 16-bit ``param`` (the rounded
+    master)."""
+    return tuple(row for row in state.rows if row != "param")
 
 
-def save_consolidated(opt, path) -> Path:
-    """Write ``opt``'s full fp32 state to the single file ``path``."""
-    comm, file = opt.comm, Path(path)
+def save_consolidated(comm, state, counters, path) -> Path:
+    """Write the full fp32 state of ``state`` (and ``counters``) to the single file ``path``."""
+    file = Path(path)
     tmp = file.with_name(f".{file.name}.tmp-{comm.bcast_object(time.time_ns())}")
     out = error = None
     if comm.rank == 0:
         try:
-            header = _header(opt)
+            header = _header(state, counters)
             file.parent.mkdir(parents=True, exist_ok=True)
             out = open(tmp, "wb")
             out.write(struct.pack("<Q", len(header)) + header)
@@ -52,12 +54,12 @@ def save_consolidated(opt, path) -> Path:
 
     with comm.abort_on_error(f"while writing {file}"):
         received = np.empty(CHUNK, np.float32) if comm.rank == 0 else None
-        for kind in _rows(opt):
-            for owner, lo, hi, state in _pieces_in_flat_order(opt.layout):
+        for kind in _rows(state):
+            for owner, lo, hi, first in _pieces_in_flat_order(state.layout):
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
                     if comm.rank == owner:
-                        view = opt.shard_state(start, stop, state + start - lo)[kind]
+                        view = state.views(start, stop, first + start - lo)[kind]
                         data = np.ascontiguousarray(to_numpy(view), dtype="<f4")
                         if owner == 0:
                             out.write(data.data)
@@ -80,16 +82,17 @@ def save_consolidated(opt, path) -> Path:
     return file
 
 
-def load_consolidated(opt, path) -> Path:
-    """Load a file written by ``save_consolidated`` (at any world size) into ``opt``."""
-    comm, file = opt.comm, Path(path)
-    error = entries = data_start = counters = None
+def load_consolidated(comm, state, counters, path) -> Path:
+    """Load a file written by ``save_consolidated`` (at any world size) into ``state`` and
+    ``counters``."""
+    file = Path(path)
+    error = entries = data_start = saved = None
     try:
-        entries, data_start, metadata = _read_header(opt, file)
-        counters = read_counters({"step": _int(metadata.get("step")),
-                                  "loss_scaler": json.loads(metadata["loss_scaler"]),
-                                  "param_groups": json.loads(metadata["param_groups"])},
-                                 opt.param_groups, opt.rule, file)
+        entries, data_start, metadata = _read_header(state, file)
+        saved = read_counters({"step": _int(metadata.get("step")),
+                               "loss_scaler": json.loads(metadata["loss_scaler"]),
+                               "param_groups": json.loads(metadata["param_groups"])},
+                              counters.param_groups, state.rule, file)
     except CheckpointError as exc:
         error = exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -98,12 +101,12 @@ def load_consolidated(opt, path) -> Path:
 
     with comm.abort_on_error(f"while reading {file}"), open(file, "rb") as f:
         buffer = np.empty(CHUNK, np.float32)
-        for lo, hi, state in opt.layout.owned(opt.shard_rank):
-            for tensor, a, b in opt.layout.pieces(lo, hi):
+        for lo, hi, first in state.layout.owned(state.shard_rank):
+            for tensor, a, b in state.layout.pieces(lo, hi):
                 for start in range(a, b, CHUNK):
                     stop = min(b, start + CHUNK)
-                    views = opt.shard_state(start, stop, state + start - lo)
-                    for kind in _rows(opt):
+                    views = state.views(start, stop, first + start - lo)
+                    for kind in _rows(state):
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
                         chunk = buffer[:stop - start]
@@ -112,9 +115,9 @@ def load_consolidated(opt, path) -> Path:
                         views[kind][...] = backend.like(views[kind], chunk)
                     if "param" in views:  # the 16-bit parameters are the rounded masters
                         views["param"][...] = backend.like(
-                            views["param"], views["master"]).astype(opt.param_dtype)
-        opt.gather_params()
-        opt.restore_counters(*counters)
+                            views["param"], views["master"]).astype(state.dtype)
+        state.publish()
+        counters.restore(*saved)
     return file
 
 
@@ -129,16 +132,17 @@ def _pieces_in_flat_order(layout):
     return [(owner, lo, hi, state) for lo, owner, hi, state in sorted(pieces)]
 
 
-def _header(opt) -> bytes:
+def _header(state, counters) -> bytes:
     header = {"__metadata__": {
-        "format": FORMAT, "version": VERSION, "rule": opt.rule.name,
-        "step": str(opt.step_count),
-        "param_dtype": opt.param_dtype.name,
-        "loss_scaler": json.dumps(opt.scaler.state()),
-        "param_groups": json.dumps([group_record(g, opt.rule) for g in opt.param_groups])}}
+        "format": FORMAT, "version": VERSION, "rule": state.rule.name,
+        "step": str(counters.step),
+        "param_dtype": state.dtype.name,
+        "loss_scaler": json.dumps(counters.scaler.state()),
+        "param_groups": json.dumps([group_record(g, state.rule)
+                                    for g in counters.param_groups])}}
     offset = 0
-    for kind in _rows(opt):
-        for t in opt.layout.tensors:
+    for kind in _rows(state):
+        for t in state.layout.tensors:
             header[f"{kind}/{t.name}"] = {"dtype": "F32", "shape": list(t.shape),
                                           "data_offsets": [offset, offset + 4 * t.numel]}
             offset += 4 * t.numel
@@ -146,7 +150,7 @@ def _header(opt) -> bytes:
     return text + b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
 
 
-def _read_header(opt, file: Path):
+def _read_header(state, file: Path):
     """``({key: (begin, end)}, first data byte, metadata)`` after checking everything."""
     if not file.is_file():
         raise CheckpointError(f"{file} is missing")
@@ -168,10 +172,10 @@ def _read_header(opt, file: Path):
         raise CheckpointError(f"{file} is not a zero1_mpi consolidated state file of version "
                               f"{VERSION} (metadata: {metadata.get('format')!r} version "
                               f"{metadata.get('version')!r})")
-    check_rule(opt, metadata.get("rule", "adam"), file)
+    check_rule(state.rule, metadata.get("rule", "adam"), file)
     entries, data_bytes = {}, size - 8 - length
-    for kind in _rows(opt):
-        for t in opt.layout.tensors:
+    for kind in _rows(state):
+        for t in state.layout.tensors:
             key = f"{kind}/{t.name}"
             info = header.get(key)
             if info is None:

@@ -7,7 +7,8 @@ group (as stage 1 reduces it) and its shard added into this rank's gradient shar
 the micro-batches of a step. Reductions start in the order buckets fill, so every rank must
 hand the same tensors over in the same order; ``order_digest`` lets the step check that. Bad
 hand-overs are kept as ``problem`` (the tensor counts as zeros) for the step to raise on every
-rank. Methods that start or complete collectives must be called on all ranks.
+rank. It is the ``gradients.GradientSource`` of ``shard_gradients=True``. Methods that start or
+complete collectives must be called on all ranks.
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ from collections import deque
 import numpy as np
 
 from . import backend
+from .views import NoFullGradients
 from .watchdog import Watchdog
 
-__all__ = ["GradientShards", "DEFAULT_SLOTS"]
+__all__ = ["GradientShards"]
 
 FP32 = np.dtype(np.float32)
-#: Staging slots (each one bucket of gradients): one bucket filling while the one before it is
-#: reduced, backward's order; a bucket waiting for a late tensor holds one the while.
-DEFAULT_SLOTS = 2
 
 
 class GradientShards:
@@ -36,29 +35,33 @@ class GradientShards:
         xp: NumPy or CuPy (the parameters' array module).
         param_dtype: the gradients' dtype in the staging slots (the parameters').
         shard_dtype: the gradient shard's dtype (the parameters', or float32).
-        shard_comm, replica_comm: as the engine's (``replica_comm`` None: one group).
+        topology: the shard groups (``topology.Topology``): reductions within ``shard_comm``,
+            sums across ``replica_comm``; ``comm`` ends the job when a rank fails between them.
         exchange_16bit: reduce 16-bit gradients by ``Alltoall`` and an fp32 sum here in rank
             order, as stage 1 does (else MPI's reduce-scatter in the gradients' dtype).
         reductions: the engine's reductions, for that sum.
         slots: the staging slots (at least 1).
+        watch: the ``Watchdog`` told where this rank waits (phase, bucket).
     """
 
-    #: Where this rank waits (phase, bucket) for a ``Watchdog``: the optimizer sets its own.
-    watch = Watchdog(None)
+    #: No rank holds the full gradient to view: this rank's gradient shard.
+    grads, sharded = NoFullGradients(), True
 
-    def __init__(self, layout, xp, param_dtype, shard_dtype, shard_comm, replica_comm,
-                 exchange_16bit: bool, reductions, slots: int = DEFAULT_SLOTS):
-        self.layout, self._xp = layout, xp
-        self._comm, self._replica_comm = shard_comm, replica_comm
+    def __init__(self, layout, xp, param_dtype, shard_dtype, topology, exchange_16bit: bool,
+                 reductions, slots: int, watch: Watchdog):
+        self.layout, self._xp, self.watch = layout, xp, watch
+        self._world = topology.comm
+        self._comm, self._replica_comm = topology.shard_comm, topology.replica_comm
         self._exchange, self._reductions = exchange_16bit, reductions
-        self.shard = backend.zeros(xp, layout.shard_total, shard_dtype)
+        #: This rank's gradient shard (the gradients it holds): ``buffer`` too.
+        self.shard = self.buffer = backend.zeros(xp, layout.shard_total, shard_dtype)
         largest = max(b.size for b in layout.buckets)
         count = max(1, min(slots, len(layout.buckets)))
         self._slots = xp.zeros((count, largest), param_dtype)
         self._received = xp.empty((count, largest), param_dtype) if exchange_16bit else None
         # fp32 sums of a bucket's shard: the exchange's sum, or a 16-bit shard's sum across
         # replicas (MPI has no bfloat16 sum)
-        needs_scratch = exchange_16bit or (replica_comm is not None and shard_dtype != FP32)
+        needs_scratch = exchange_16bit or (self._replica_comm is not None and shard_dtype != FP32)
         self._scratch = xp.empty(max(b.shard_size for b in layout.buckets), FP32) \
             if needs_scratch else None
         self._tensors = {t.name: t for t in layout.tensors}
@@ -70,11 +73,13 @@ class GradientShards:
                 self._tensor_buckets[name].append(bucket)
         self._new_step()
         # Persistent requests hold the slots: free them when this goes.
-        self._release = weakref.finalize(self, shard_comm.close, [self._slots, self._received])
+        self._release = weakref.finalize(self, self._comm.close, [self._slots, self._received])
 
     def close(self) -> None:
-        """Complete and free the persistent requests on the staging slots (what collection
-        would do); idempotent. Must be called on all ranks, with nothing in flight."""
+        """Complete what is in flight (its gradients dropped) and free the persistent requests
+        on the staging slots (what collection would do); idempotent. Must be called on all
+        ranks."""
+        self.zero()
         self._release()
 
     @property
@@ -85,10 +90,21 @@ class GradientShards:
 
     # -- hand-over -----------------------------------------------------------------------------
 
+    def ready(self, names) -> None:
+        """Stage 1's ``grads_ready``, refused: a bucket's reduction starts with its last
+        hand-over."""
+        raise ValueError("grads_ready() is for the full gradient buffer: with "
+                         "shard_gradients=True each bucket's reduction starts when "
+                         "add_grad() hands its last tensor over")
+
     def add(self, name: str, grad) -> None:
         """Hand over the gradient of tensor ``name`` for this micro-batch (once per tensor per
         micro-batch, in the same order on every rank); a bucket whose last tensor this is
         starts its reduction."""
+        with self._world.abort_on_error("in add_grad()"):
+            self._add(name, grad)
+
+    def _add(self, name: str, grad) -> None:
         problem = self._check(name, grad)
         if problem:
             self.problem = self.problem or problem
@@ -155,9 +171,10 @@ class GradientShards:
     def zero(self) -> None:
         """Forget this step's gradients: complete what is in flight, zero the shard, clear the
         problem and the order."""
-        while self._in_flight:
-            request = self._in_flight.popleft()[2]
-            request.wait()
+        with self._world.abort_on_error("in zero_grad() while completing reductions"):
+            while self._in_flight:
+                request = self._in_flight.popleft()[2]
+                request.wait()
         self.shard.fill(0)
         self._new_step()
 

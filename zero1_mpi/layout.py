@@ -16,8 +16,8 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-__all__ = ["Layout", "Bucket", "TensorSlot", "build_layout", "DEFAULT_ALIGN",
-           "DEFAULT_BUCKET_ELEMENTS"]
+__all__ = ["Layout", "Bucket", "TensorSlot", "build_layout", "check_bucket_elements",
+           "DEFAULT_ALIGN", "DEFAULT_BUCKET_ELEMENTS"]
 
 #: Shards are whole multiples of this many elements (aligned, vector-friendly).
 DEFAULT_ALIGN = 64
@@ -140,6 +140,14 @@ class Layout:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+def check_bucket_elements(value) -> int:
+    """``value`` if it is a bucket size in elements (a positive integer), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"bucket_elements={value!r} must be a positive integer "
+                         f"(default {DEFAULT_BUCKET_ELEMENTS})")
+    return value
+
+
 def build_layout(shapes, group_size: int, dtype: str, *,
                  bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
                  align: int = DEFAULT_ALIGN, param_group_tensors=None) -> Layout:
@@ -150,9 +158,7 @@ def build_layout(shapes, group_size: int, dtype: str, *,
     """
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive integer")
-    if not isinstance(bucket_elements, int) or bucket_elements < 1:
-        raise ValueError(f"bucket_elements={bucket_elements!r} must be a positive integer "
-                         f"(default {DEFAULT_BUCKET_ELEMENTS})")
+    check_bucket_elements(bucket_elements)
     if not isinstance(align, int) or align < 1:
         raise ValueError(f"align={align!r} must be a positive integer (default {DEFAULT_ALIGN})")
     quantum = group_size * align

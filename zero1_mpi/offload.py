@@ -20,22 +20,9 @@ import numpy as np
 
 from . import backend
 
-__all__ = ["HostShard", "ThreadedKernel", "check_offload", "resolve_threads",
-           "each_tensor_sums"]
+__all__ = ["HostShard", "ThreadedKernel", "resolve_threads", "each_tensor_sums"]
 
 FP32 = np.dtype(np.float32)
-
-
-def check_offload(value, threads) -> str | None:
-    """``value`` if it is a known ``offload=`` choice that goes with ``offload_threads=threads``,
-    else a ValueError naming the value and the fix."""
-    if value is not None and value != "cpu":
-        raise ValueError(f"offload={value!r} is not understood: use 'cpu' (master weights and "
-                         "the rule's state on the host) or None (all on the parameters' device)")
-    if value is None and threads is not None:
-        raise ValueError(f"offload_threads={threads!r} sets the host kernel's threads, which "
-                         "only offload='cpu' has: pass offload='cpu' too, or drop it")
-    return value
 
 
 def resolve_threads(value, local_ranks: int) -> int:

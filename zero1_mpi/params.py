@@ -12,7 +12,6 @@ take the optimizer's defaults.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import ml_dtypes
@@ -21,10 +20,7 @@ import numpy as np
 from . import backend
 
 __all__ = ["normalize_groups", "group_options", "group_record", "restore_options",
-           "decay_groups", "check_arrays", "check_reduce_dtype", "check_max_grad_norm",
-           "check_stage2"]
-
-REDUCE_DTYPES = ("float32", "float16")
+           "decay_groups", "check_arrays", "check_param_dtype"]
 
 
 def normalize_groups(params, defaults: dict, rule) -> tuple[list[dict], dict]:
@@ -96,9 +92,9 @@ def decay_groups(params: Mapping, weight_decay: float = 1e-2, no_decay=None) -> 
                         {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
-def check_arrays(arrays: Mapping, param_dtype) -> tuple[np.dtype, str]:
-    """``(param dtype, backend name)`` for valid arrays."""
-    backends, dtypes = set(), set()
+def check_arrays(arrays: Mapping) -> str:
+    """The backend name (``"numpy"`` or ``"cupy"``) of valid parameter arrays."""
+    backends = set()
     for name, array in arrays.items():
         if not isinstance(name, str):
             raise TypeError(f"parameter name {name!r} must be a str")
@@ -114,11 +110,17 @@ def check_arrays(arrays: Mapping, param_dtype) -> tuple[np.dtype, str]:
             raise ValueError(f"params[{name!r}] holds non-finite values (inf or nan): "
                              "initialize it with finite numbers")
         backends.add(kind)
-        dtypes.add(np.dtype(array.dtype))
     if len(backends) > 1:
         raise TypeError("params mixes NumPy and CuPy arrays: put all of them on the host or "
                         "all on the GPU")
+    return backends.pop()
+
+
+def check_param_dtype(arrays: Mapping, param_dtype) -> np.dtype:
+    """The parameters' dtype for ``param_dtype=`` (None: the arrays' one dtype) that holds
+    every value of ``arrays`` (checked by ``check_arrays``)."""
     if param_dtype is None:
+        dtypes = {np.dtype(array.dtype) for array in arrays.values()}
         if len(dtypes) > 1:
             names = ", ".join(sorted(d.name for d in dtypes))
             raise ValueError(f"params have several dtypes ({names}): pass "
@@ -135,55 +137,4 @@ def check_arrays(arrays: Mapping, param_dtype) -> tuple[np.dtype, str]:
             raise ValueError(f"params[{name!r}] holds {peak:g}, beyond the largest {dtype.name} "
                              f"({limit:g}): scale the initial values or choose a wider "
                              "param_dtype")
-    return dtype, backends.pop()
-
-
-def check_reduce_dtype(reduce_dtype, dtype: np.dtype) -> str:
-    try:
-        name = reduce_dtype if isinstance(reduce_dtype, str) else np.dtype(reduce_dtype).name
-    except TypeError:
-        name = None
-    if name not in REDUCE_DTYPES:
-        raise ValueError(f"reduce_dtype={reduce_dtype!r} is not supported: use 'float32' "
-                         "(default) or 'float16' (float16 parameters only)")
-    if name == "float16" and dtype != np.float16:
-        raise ValueError(f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
-                         f"{dtype.name}: use reduce_dtype='float32'")
-    return name
-
-
-def check_stage2(shard_gradients, grad_shard_dtype, staging, dtype: np.dtype,
-                 offload) -> tuple[np.dtype | None, int]:
-    """``(the gradient shard's dtype, staging buckets)`` for ``shard_gradients`` (dtype None:
-    stage 1, the full gradient buffer), or a ValueError naming the value and the fix."""
-    if not isinstance(shard_gradients, bool):
-        raise ValueError(f"shard_gradients={shard_gradients!r} must be True (ZeRO stage 2: "
-                         "gradients sharded too) or False")
-    if isinstance(staging, bool) or not isinstance(staging, int) or staging < 1:
-        raise ValueError(f"grad_staging={staging!r} must be an integer >= 1 (staging buckets "
-                         "of gradients; default 2)")
-    if not shard_gradients:
-        if grad_shard_dtype is not None:
-            raise ValueError(f"grad_shard_dtype={grad_shard_dtype!r} sets the gradient shard "
-                             "of shard_gradients=True: pass that too, or drop it")
-        return None, staging
-    if offload is not None:
-        raise ValueError("shard_gradients=True with offload='cpu' is not supported yet: "
-                         "choose one")
-    if grad_shard_dtype is None:
-        return dtype, staging
-    if grad_shard_dtype not in ("float32", np.float32) and \
-            getattr(grad_shard_dtype, "name", None) != "float32":
-        raise ValueError(f"grad_shard_dtype={grad_shard_dtype!r} is not supported: None (the "
-                         "parameters' dtype) or 'float32'")
-    return np.dtype(np.float32), staging
-
-
-def check_max_grad_norm(max_grad_norm) -> float | None:
-    if max_grad_norm is None:
-        return None
-    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) \
-            or not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
-        raise ValueError(f"max_grad_norm={max_grad_norm!r} must be a finite number > 0, or "
-                         "None for no clipping")
-    return float(max_grad_norm)
+    return dtype

@@ -42,7 +42,7 @@ def train(opt, steps):
 
 def digest(opt) -> tuple:
     """The whole job's state: every rank's arrays, hashed, gathered."""
-    arrays = [opt._params, opt._master, *opt._state.values()]
+    arrays = [opt.state.flat, opt.state.master, *opt.state.state.values()]
     mine = hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
     return tuple(comm.allgather(mine)), opt.step_count
 

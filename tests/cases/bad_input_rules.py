@@ -89,7 +89,7 @@ def expect(description, fn, exc_type, words):
 
 
 def snapshot(opt):
-    arrays = [opt._params, *opt._state.values()] + ([opt._master] if opt._mixed else [])
+    arrays = [opt.state.flat, *opt.state.state.values()] + ([opt.state.master] if opt.state.mixed else [])
     return [a.copy() for a in arrays], opt.step_count
 
 

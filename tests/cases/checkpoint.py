@@ -99,7 +99,7 @@ def load(directory: Path):
 
             other = make(dtype_name)
             other.load_consolidated(out / "half.safetensors")
-            check(np.array_equal(other._params.view(np.uint8), opt._params.view(np.uint8)))
+            check(np.array_equal(other.state.flat.view(np.uint8), opt.state.flat.view(np.uint8)))
             other.save_consolidated(scratch / "imported.safetensors")
             check(same_file(scratch / "imported.safetensors", out / "half.safetensors"), where)
 

@@ -42,7 +42,7 @@ def train(opt, steps=1):
 
 
 def digest(opt) -> tuple:
-    arrays = [opt._params, *opt._state.values()]
+    arrays = [opt.state.flat, *opt.state.state.values()]
     mine = hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
     return tuple(comm.allgather(mine)), opt.step_count
 

@@ -31,7 +31,7 @@ def make(shapes=SHAPES, dtype="bfloat16"):
 
 
 def digest(opt):
-    arrays = [opt._params, opt._master, *opt._state.values()]
+    arrays = [opt.state.flat, opt.state.master, *opt.state.state.values()]
     return hashlib.sha256(b"".join(a.tobytes() for a in arrays if a is not None)).hexdigest(), \
         opt.step_count
 

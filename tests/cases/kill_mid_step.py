@@ -21,7 +21,7 @@ if comm.Get_rank() == comm.Get_size() - 1:
     def killed_update(*args):
         print(f"KILLING rank {comm.Get_rank()} after the reduce-scatter", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    opt._update_shard = killed_update  # called after the reductions, before the all-gathers
+    opt.state._update_bucket = killed_update  # called after the reductions, before the all-gathers
 opt.grads["w"][...] = 1.0
 opt.step()
 print("UNREACHABLE: step returned on rank", comm.Get_rank(), flush=True)

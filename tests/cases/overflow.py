@@ -29,7 +29,7 @@ def fill(opt, step, bad_rank=None, bad_value=np.inf):
 
 
 def snapshot(opt):
-    return [a.copy() for a in (opt._params, opt._master, *opt._state.values())]
+    return [a.copy() for a in (opt.state.flat, opt.state.master, *opt.state.state.values())]
 
 
 def unchanged(opt, before):

@@ -41,7 +41,7 @@ def main():
             for k in order:
                 overlapped.grads[k][...] = grads[k]
                 overlapped.grads_ready([k])
-            started = len(overlapped.buckets.started)
+            started = len(overlapped.gradients.started)
             check(started == len(overlapped.layout.buckets), "not all started in backward")
             overlapped.step(wait=step % 2 == 0)  # odd steps: parameters gathered lazily
             for k in SHAPES:  # reading through opt.params completes the gathers
@@ -50,13 +50,13 @@ def main():
                       (dtype, step, k))
         overlapped.step(wait=False)
         overlapped.wait()
-        check(not overlapped.buckets.gathers_in_flight)
+        check(not overlapped.state.gathers.in_flight)
         # zero_grad() in the middle of a round completes and forgets what had started.
         for k in reversed(SHAPES):
             overlapped.grads[k][...] = 1.0
             overlapped.grads_ready([k])
         overlapped.zero_grad()
-        check(not overlapped.buckets.started)
+        check(not overlapped.gradients.started)
         check(all(not np.any(g) for g in overlapped.grads.values()))
         for bad, error in (("nope", KeyError), ("layer7", ValueError)):
             try:

@@ -72,8 +72,8 @@ def check_case(comm, layout_name, dtype_name, cls, weight_decay):
     ref = ReferenceAdam(rank0_init, weight_decay=weight_decay, decoupled=cls is ZeroAdamW,
                         **hyper)
     for name in shapes:
-        check(is_view_of(opt.params[name], opt._params), name)
-        check(is_view_of(opt.grads[name], opt._grads), name)
+        check(is_view_of(opt.params[name], opt.state.flat), name)
+        check(is_view_of(opt.grads[name], opt.gradients.buffer), name)
         check(opt.params[name].shape == shapes[name] and opt.params[name].dtype == dtype)
 
     for step in range(1, STEPS + 1):
@@ -91,7 +91,7 @@ def check_case(comm, layout_name, dtype_name, cls, weight_decay):
                 raise AssertionError(f"{layout_name}/{dtype_name}/{cls.__name__}/wd="
                                      f"{weight_decay}: step {step}, {k!r} off by {err} on rank "
                                      f"{rank} of {size}")
-    digest = hashlib.sha256(to_numpy(opt._params).tobytes()).hexdigest()
+    digest = hashlib.sha256(to_numpy(opt.state.flat).tobytes()).hexdigest()
     if len(set(MPI.COMM_WORLD.allgather(digest))) != 1:
         raise AssertionError(f"{layout_name}/{dtype_name}: parameters differ between ranks")
     return opt.kernel

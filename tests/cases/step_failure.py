@@ -15,6 +15,6 @@ opt.step()
 if comm.Get_rank() == comm.Get_size() - 1:
     def broken_update(*args):
         raise MemoryError("injected failure in the Adam kernel")
-    opt._update_shard = broken_update  # the others go on into the all-gather and wait
+    opt.state._update_bucket = broken_update  # the others go on into the all-gather and wait
 opt.step()
 print("UNREACHABLE: step returned on rank", comm.Get_rank(), flush=True)

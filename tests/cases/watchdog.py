@@ -151,6 +151,6 @@ else:
         elif mode == "agree":
             opt._reductions.sum_of_squares = hang
         elif mode == "update":
-            opt._update_shard = hang
+            opt.state._update_bucket = hang
     train(opt, 1)
     print(f"UNREACHABLE: step 4 returned on rank {rank}", flush=True)

@@ -1,0 +1,74 @@
+"""Where a step's gradients come from: one interface over the stage-1 bucket pipeline and the
+stage-2 gradient shards.
+
+``GradientSource`` is what the engine asks of either: the model's side (``grads`` views,
+``ready`` for overlap, ``add`` for hand-overs, ``missing``), the step's (``reduce_all``: this
+rank's reduced shard of every bucket; ``problem`` and ``order_digest`` for the agreement;
+``zero``) and the ledger's (``buffer``, ``scratch_bytes``). ``gradient_source`` builds the one
+the options ask for: ``buckets.BucketPipeline`` (the full gradient buffer, ZeRO stage 1) or
+``grad_shards.GradientShards`` (``shard_gradients=True``, stage 2). Methods that start or
+complete collectives must be called on all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from .buckets import BucketPipeline
+from .grad_shards import GradientShards
+from .watchdog import Watchdog
+
+__all__ = ["GradientSource", "gradient_source"]
+
+
+class GradientSource(Protocol):
+    """A step's gradients, reduced to this rank's shard of every bucket."""
+
+    #: The views the model writes (stage 1), or a mapping that refuses (stage 2).
+    grads: Mapping
+    #: The array holding this rank's gradients: the full buffer, or (``sharded``) its shard.
+    buffer: Any
+    sharded: bool
+    #: A bad hand-over found since the step began (raised on every rank by the step), or None.
+    problem: str | None
+    #: A digest of the order this step's reductions started in (0 where it is fixed).
+    order_digest: int
+    watch: Watchdog
+
+    @property
+    def scratch_bytes(self) -> int: ...
+
+    def ready(self, names) -> None:
+        """Declare ``names``' gradients final (starting reductions), or refuse."""
+
+    def add(self, name: str, grad) -> None:
+        """Hand over ``name``'s gradient for this micro-batch, or refuse."""
+
+    def missing(self) -> list[str]:
+        """The tensors not yet handed over in the buckets this micro-batch has begun."""
+        ...
+
+    def reduce_all(self) -> list:
+        """Complete every reduction; each bucket's summed gradient shard, in bucket order."""
+        ...
+
+    def zero(self) -> None:
+        """Complete and forget what is in flight; zero the gradients."""
+
+    def close(self) -> None:
+        """Complete what is in flight and free what the collectives hold; idempotent."""
+
+
+def gradient_source(options, layout, xp, topology, reductions,
+                    watch: Watchdog) -> GradientSource:
+    """The gradient source of the checked ``options`` (``options.EngineOptions``)."""
+    mixed = options.param_dtype != np.float32
+    # 16-bit gradients summed in fp32: exchanged whole and summed here, in rank order
+    exchange = mixed and options.reduce_dtype == "float32" and topology.group_size > 1
+    if options.shard_gradients:
+        return GradientShards(layout, xp, options.param_dtype, options.grad_shard_dtype,
+                              topology, exchange, reductions, options.grad_staging, watch)
+    return BucketPipeline(layout, xp, options.param_dtype, topology, exchange, reductions, watch)

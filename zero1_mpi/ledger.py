@@ -1,0 +1,49 @@
+"""What one rank holds, by category: the ``MemoryReport`` of an optimizer's parts.
+
+``memory_report(state, gradients, reductions, persistence, backend)`` measures the arrays the
+parts allocated (``nbytes``, not formulas) and splits them so that every byte is counted once:
+the real elements of the parameters, the gradients (the full buffer, or stage 2's shard), the
+masters and each state array of this rank's shard; their padding; the scratch a step holds
+(communication slots, kernels', MPI staging); and, where the state is offloaded or the
+parameters live on a GPU, what of it the host holds. Local: no collectives.
+"""
+
+from __future__ import annotations
+
+from .memory import MemoryReport
+
+__all__ = ["memory_report"]
+
+FP32_BYTES = 4
+
+
+def memory_report(state, gradients, reductions, persistence, backend: str) -> MemoryReport:
+    """The bytes this rank holds in ``state`` (``state.ShardedState``), ``gradients`` (a
+    ``gradients.GradientSource``), the engine's ``reductions`` and ``persistence``'s host copy;
+    ``backend``: the parameters' (``"cupy"``: MPI's staging buffers are the host's)."""
+    layout, comm = state.layout, state.topology.comm
+    psi, owned = layout.numel, layout.owned_real(state.shard_rank)
+    grads = gradients.buffer
+    real = {"parameters": psi * state.dtype.itemsize,
+            "gradients": (owned if gradients.sharded else psi) * grads.dtype.itemsize,
+            "master_weights": 0 if state.master is None else owned * FP32_BYTES}
+    state_bytes = {name: owned * FP32_BYTES for name in state.state}
+    sharded = [a for a in (state.master, *state.state.values()) if a is not None]
+    sharded_real = real["master_weights"] + sum(state_bytes.values())
+    held = sum(a.nbytes for a in sharded)
+    device = state.flat.nbytes + grads.nbytes + (0 if state.on_host else held)
+    padding = device - real["parameters"] - real["gradients"] \
+        - (0 if state.on_host else sharded_real)
+    device_scratch, host_scratch = state.scratch_bytes()
+    staging = comm.staging_bytes  # page-locked for CuPy parameters: the host's
+    staged_on_host = staging if backend == "cupy" else 0
+    return MemoryReport(
+        **real, state=state_bytes, padding=padding,
+        comm_scratch=gradients.scratch_bytes + reductions.scratch_bytes + device_scratch
+        + staging - staged_on_host,
+        psi=psi, group_size=layout.group_size, rank=state.shard_rank,
+        param_dtype=state.dtype.name, rule=state.rule.name, offloaded=state.on_host,
+        host_padding=held - sharded_real if state.on_host else 0,
+        host_scratch=host_scratch + staged_on_host,
+        grad_shard_dtype=grads.dtype.name if gradients.sharded else None,
+        checkpoint_buffer=persistence.snapshot_bytes)

@@ -1,0 +1,202 @@
+"""One optimizer step: reduce, agree, update, gather.
+
+``StepPipeline.run`` takes the gradients' reduced shards from the gradient source, agrees with
+every rank in one ``Allreduce`` of an ``Agreement`` (a named record: the global norm, which is
+inf or nan on overflow, bad options or hand-overs, digests of the options and of the reduction
+order, a pending signal, a save still being written), raises an error found on any rank on
+every rank with nothing updated, skips an overflowed step (dynamic loss scaling), folds
+unscaling, the mean and clipping into the kernel's gradient factor, and has the sharded state
+update and all-gather. ``Counters`` holds what a step advances and a checkpoint saves. All ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import astuple, dataclass, field, replace
+from pathlib import Path
+
+from .comm import CollectiveError
+from .params import group_options
+from .scaler import LossScaler
+
+__all__ = ["StepPipeline", "StepInfo", "Agreement", "Counters", "CLIP_EPS"]
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one ``step()`` did."""
+
+    grad_norm: float       # global L2 norm of the averaged, unscaled gradient, before clipping
+    skipped: bool          # True when the gradients overflowed and nothing was updated
+    loss_scale: float      # the scale the gradients of this step were multiplied by
+    clip_coef: float       # the factor clipping applied (1.0 when it did not clip)
+    step: int              # optimizer steps taken so far (skipped ones not counted)
+    stop: bool = False     # a signal of checkpoint_on_signal arrived: checkpoint saved, stop
+    checkpoint: Path | None = None  # the checkpoint saved after this step, when ``stop``
+
+
+@dataclass
+class Counters:
+    """What a step reads and advances, and a checkpoint records and restores beside the
+    sharded state: the step count, the loss scaler, the param groups (whose rule options may
+    change between steps) and the clipping norm."""
+
+    param_groups: list
+    scaler: LossScaler
+    max_grad_norm: float | None
+    step: int = 0
+
+    def restore(self, step: int, scaler: LossScaler, group_options: list) -> None:
+        """Set the step count, the loss scaler and each param group's rule options, as a
+        checkpoint or export saved them."""
+        self.step, self.scaler = step, scaler
+        for group, saved in zip(self.param_groups, group_options):
+            group.update(saved)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What one step's ``Allreduce`` sums over the ranks, by name (this rank's values, or after
+    ``summed`` every rank's total). A digest ``h`` is the same on all N ranks exactly when
+    ``N * sum(h^2) == sum(h)^2``."""
+
+    sum_sq: float = 0.0      # the squares of the reduced gradients (inf/nan: an overflow)
+    problems: float = 0.0    # ranks that found a bad option or hand-over
+    options: float = 0.0     # a digest of the param groups' options
+    options_sq: float = 0.0
+    order: float = 0.0       # a digest of the order the reductions started in
+    order_sq: float = 0.0
+    signals: float = 0.0     # ranks with a checkpoint_on_signal signal pending
+    writing: float = 0.0     # ranks still writing their part of a non-blocking save
+
+    def summed(self, comm) -> Agreement:
+        """Every rank's record added up (one ``Allreduce``); all ranks."""
+        return self if comm.size == 1 else Agreement(*comm.allreduce_sum(astuple(self)))
+
+    @staticmethod
+    def same(total: float, total_sq: float, ranks: int) -> bool:
+        return ranks * int(total_sq) == int(total) ** 2
+
+
+@dataclass
+class StepPipeline:
+    """The step of an optimizer made of ``state`` (``state.ShardedState``), ``gradients`` (a
+    ``gradients.GradientSource``), ``persistence`` (``persistence.Persistence``: a signal's
+    checkpoint, a non-blocking save to publish) and ``counters``, over ``comm``; ``rule``: the
+    update rule; ``reductions``: the sum of squares; ``watch``: the step's ``Watchdog``."""
+
+    comm: object
+    rule: object
+    state: object
+    gradients: object
+    persistence: object
+    counters: Counters
+    reductions: object
+    watch: object
+    #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
+    #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
+    #: CuPy work is asynchronous: there the phases are the host's, not the device's.
+    last_step_seconds: dict = field(default_factory=dict)
+
+    def run(self, wait: bool = True, problem: str | None = None) -> StepInfo:
+        """``ShardedOptimizer.step``: armed on the watchdog by the caller."""
+        clock, counters, comm = time.perf_counter, self.counters, self.comm
+        with comm.abort_on_error("while gathering the parameters"):
+            self.state.wait()  # what step(wait=False) left in flight
+        started = clock()
+        group_problem = self._check_param_groups()
+        with comm.abort_on_error("in step() while reducing the gradients"):
+            reduced = self.gradients.reduce_all()
+            problem = problem or self.gradients.problem or group_problem
+            reduced_at = clock()
+            self.watch.phase, self.watch.bucket = "agree", None
+            agreed = self._agreement(reduced, problem).summed(comm)
+            self.persistence.agreed(agreed)
+        agreed_at = clock()
+        self._raise_disagreement(agreed, problem)
+
+        scale = counters.scaler.scale
+        grad_norm = math.sqrt(agreed.sum_sq) / (comm.size * scale)
+        if not math.isfinite(grad_norm):
+            self.gradients.zero()
+            if counters.scaler.at_minimum:
+                raise FloatingPointError(
+                    f"the gradients hold inf or nan (grad_norm={grad_norm}) at loss scale "
+                    f"{scale:g}, which cannot back off further, after {counters.step} steps: "
+                    "nothing was updated. Check the loss for divergence, lower the learning "
+                    "rate, or use loss_scale='dynamic' (fp16)")
+            counters.scaler = counters.scaler.update(overflow=True)
+            return self.persistence.stop_if_asked(
+                StepInfo(grad_norm, True, scale, 1.0, counters.step), agreed)
+
+        clip = 1.0
+        if counters.max_grad_norm is not None:
+            clip = min(1.0, counters.max_grad_norm / (grad_norm + CLIP_EPS))
+        factor = clip / (comm.size * scale)
+        self.watch.disarm()  # the update is this rank's own work (the first may compile)
+        with comm.abort_on_error("in step() while updating the parameters"):
+            scalars = [self.rule.scalars(counters.step + 1, group_options(g, self.rule, dict),
+                                         factor) for g in counters.param_groups]
+            update, gather = self.state.update(reduced, scalars, counters.step + 1)
+            self.gradients.zero()
+        if wait:
+            t0 = clock()
+            self.watch.arm(counters.step + 1, "gather")
+            with comm.abort_on_error("while gathering the parameters"):
+                self.state.wait()
+            self.watch.disarm()
+            gather += clock() - t0
+        self.last_step_seconds = {"reduce": reduced_at - started,
+                                  "agree": agreed_at - reduced_at,
+                                  "update": update, "gather": gather}
+        counters.step += 1
+        counters.scaler = counters.scaler.update(overflow=False)
+        return self.persistence.stop_if_asked(
+            StepInfo(grad_norm, False, scale, clip, counters.step), agreed)
+
+    def _agreement(self, reduced: list, problem: str | None) -> Agreement:
+        """This rank's part of the step's agreement."""
+        # Replicas hold the same sums: the norm counts one of them.
+        sum_sq = float(sum(self.reductions.sum_of_squares(r) for r in reduced)) \
+            if self.state.topology.replica == 0 else 0.0
+        options, order = self._options_digest(), self.gradients.order_digest
+        return replace(self.persistence.poll(), sum_sq=sum_sq, problems=float(bool(problem)),
+                       options=options, options_sq=options * options,
+                       order=order, order_sq=order * order)
+
+    def _raise_disagreement(self, agreed: Agreement, problem: str | None) -> None:
+        """Raise on every rank, nothing updated, what any rank found wrong."""
+        ranks = self.comm.size
+        if agreed.problems:
+            self.gradients.zero()
+            self.comm.agree(problem)
+        if not Agreement.same(agreed.options, agreed.options_sq, ranks):
+            self.gradients.zero()
+            raise CollectiveError(f"param_groups options ({', '.join(self.rule.options)}) "
+                                  "differ between ranks: set them to the same values on every "
+                                  "rank (nothing was updated)")
+        if not Agreement.same(agreed.order, agreed.order_sq, ranks):
+            self.gradients.zero()
+            raise CollectiveError("the ranks handed their gradients over in different orders, "
+                                  "so their reductions did not match: hand the same tensors "
+                                  "over in the same order on every rank (nothing was updated)")
+
+    def _check_param_groups(self) -> str | None:
+        """A message if a group's options were set to invalid values since the last step
+        (valid ones are stored back normalized: NumPy scalars become plain floats)."""
+        problem = None
+        for index, group in enumerate(self.counters.param_groups):
+            try:
+                group.update(self.rule.check_options(**group_options(group, self.rule, dict)))
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by the step
+                problem = problem or f"param_groups[{index}]: {exc}"
+        return problem
+
+    def _options_digest(self) -> int:
+        """A 20-bit digest of every group's options, to compare across ranks."""
+        text = repr([group_options(g, self.rule) for g in self.counters.param_groups]).encode()
+        return int(hashlib.sha256(text).hexdigest()[:5], 16)
