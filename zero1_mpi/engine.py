@@ -21,14 +21,14 @@ from .configure import configure
 from .gradients import gradient_source
 from .memory import MemoryReport
 from .persistence import Persistence
-from .reductions import reductions_for, resolve_cpu_kernel
+from .reductions import reductions_of
 from .state import sharded_state
 from .step import Counters, StepInfo, StepPipeline
 from .topology import Topology
 from .views import Closed, closed_error
 from .watchdog import Watchdog, watched
 
-__all__ = ["ShardedOptimizer", "StepInfo", "with_engine_options", "describe"]
+__all__ = ["ShardedOptimizer", "StepInfo", "with_engine_options"]
 
 
 class ShardedOptimizer:
@@ -55,8 +55,7 @@ class ShardedOptimizer:
                                  setup.options.max_grad_norm)
         largest = max(b.shard_size for b in setup.layout.buckets)
         xp = backend.xp_for(setup.backend)
-        self._reductions = reductions_for("cupy" if setup.backend == "cupy"
-                                          else resolve_cpu_kernel(), largest)
+        self._reductions = reductions_of(setup.backend, largest)
         with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
             self.topology = Topology(setup.comm, setup.options.shard_group_size,
                                      setup.owns_comm)
@@ -279,7 +278,7 @@ class ShardedOptimizer:
         return False
 
     def __repr__(self) -> str:
-        return describe(self)
+        return options.describe(self)
 
 
 #: The attributes ``ShardedOptimizer.__getattr__`` finds on its parts.
@@ -292,23 +291,6 @@ def _closed_method(owner: str, method: str):
     def closed(*args, **kwargs):
         raise closed_error(owner, f"{method}()")
     return closed
-
-
-def describe(opt) -> str:
-    """``repr(opt)``: the rule and its settings, the world, the shard groups, the stage, the
-    dtypes and offload, then each param group's options (as torch's optimizers print)."""
-    o, settings = opt.options, {k: v for k, v in opt.rule.settings().items() if k != "rule"}
-    extra = "".join(f", {k}={v!r}" for k, v in settings.items())
-    stage = 2 if o.shard_gradients else 1
-    grads = f", grad_shard_dtype={o.grad_shard_dtype.name}" if stage == 2 else ""
-    lines = [f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={opt.comm.size}, "
-             f"shard_group_size={o.shard_group_size} ({opt.comm.size // o.shard_group_size} "
-             f"replicas), stage {stage}, param_dtype={o.param_dtype.name}, "
-             f"reduce_dtype={o.reduce_dtype}{grads}, offload={o.offload!r})"]
-    for index, group in enumerate(opt.param_groups):
-        lines.append(f"Parameter Group {index} ({len(group['names'])} tensors)")
-        lines += [f"    {key}: {group[key]!r}" for key in opt.rule.options]
-    return "\n".join(lines + (["(closed)"] if opt.closed else []))
 
 
 def with_engine_options(cls):

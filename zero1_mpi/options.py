@@ -2,12 +2,12 @@
 
 ``OPTIONS`` is the one declaration. From it come the keyword-only parameters of every optimizer's
 signature (``signature_parameters``), the "Engine options" section of their docstrings
-(``docstring_section``, what ``help()`` shows), the option list of docs/api.md (``markdown``)
-and the record the ranks compare (``EngineOptions.agreed``). ``check_options(given, context)``
-runs the checks in declaration order (a check may read the options checked before it and the
-context: the arrays, the communicator, the ranks of this node) and returns an ``EngineOptions``;
-a bad value raises ValueError (TypeError for an unknown name) naming it and the fix. Local: the
-caller agrees on errors and values across ranks.
+(``docstring_section``: ``help()``), the option list of docs/api.md (``markdown``), the record
+the ranks compare (``EngineOptions.agreed``) and ``repr(opt)`` (``describe``).
+``check_options(given, context)`` runs the checks in declaration order (a check may read the
+options before it and the context: the arrays, the communicator, this node's ranks) and returns
+an ``EngineOptions``; a bad value raises ValueError (TypeError for an unknown name) naming it
+and the fix. Local: the caller agrees on errors and values across ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from .topology import resolve_shard_group_size
 from .watchdog import check_step_timeout
 
 __all__ = ["Option", "OPTIONS", "EngineOptions", "check_options", "signature_parameters",
-           "docstring_section", "markdown", "MARKERS", "DEFAULT_STAGING", "REDUCE_DTYPES"]
+           "docstring_section", "markdown", "describe", "MARKERS", "DEFAULT_STAGING",
+           "REDUCE_DTYPES"]
 
 REDUCE_DTYPES = ("float32", "float16")
 #: Staging buckets of stage 2: one bucket filling while the one before it is reduced (the
@@ -274,6 +275,24 @@ def markdown() -> str:
                       f"{o.doc.replace('``', '`')}", 96, subsequent_indent="  ",
                       break_on_hyphens=False)
         for o in OPTIONS)
+
+
+def describe(opt) -> str:
+    """``repr`` of an optimizer ``opt``: its rule and the rule's settings, N, the shard groups,
+    the stage, the dtypes and offload, then each param group's options (as torch's optimizers
+    print them), and whether it was closed."""
+    o, settings = opt.options, {k: v for k, v in opt.rule.settings().items() if k != "rule"}
+    extra = "".join(f", {k}={v!r}" for k, v in settings.items())
+    n, k = opt.world_size, o.shard_group_size
+    stage = "stage 2, grad_shard_dtype=" + o.grad_shard_dtype.name if o.shard_gradients \
+        else "stage 1"
+    lines = [f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={n}, shard_group_size="
+             f"{k} ({n // k} replicas), {stage}, param_dtype={o.param_dtype.name}, "
+             f"reduce_dtype={o.reduce_dtype}, offload={o.offload!r})"]
+    for index, group in enumerate(opt.param_groups):
+        lines.append(f"Parameter Group {index} ({len(group['names'])} tensors)")
+        lines += [f"    {key}: {group[key]!r}" for key in opt.rule.options]
+    return "\n".join(lines + (["(closed)"] if opt.closed else []))
 
 
 def _plain(value):

@@ -17,7 +17,7 @@ import numpy as np
 from . import backend
 from .kernels_numba import CHUNK, FP16_TABLE, compile_marked, encoding, jit, widen
 
-__all__ = ["reductions_for", "resolve_cpu_kernel", "sum_of_squares", "add_blocks",
+__all__ = ["reductions_for", "reductions_of", "resolve_cpu_kernel", "sum_of_squares", "add_blocks",
            "NumpyReductions", "NumbaReductions", "CupyReductions", "NUMPY_CHUNK", "KERNEL_ENV"]
 
 #: Elements per NumPy chunk: the fp32 scratch (2 x 256 KiB) stays in cache.
@@ -51,6 +51,12 @@ def reductions_for(kind: str, largest: int):
     if kind == "numba":
         return NumbaReductions(largest)
     return NumpyReductions(largest)
+
+
+def reductions_of(backend: str, largest: int):
+    """The engine's reductions for parameters of ``backend`` (``"numpy"`` or ``"cupy"``):
+    CuPy's, else those of the CPU kernel family ``resolve_cpu_kernel`` chooses."""
+    return reductions_for("cupy" if backend == "cupy" else resolve_cpu_kernel(), largest)
 
 
 def sum_of_squares(x, scratch) -> float:
