@@ -1,7 +1,8 @@
-"""The package's shape holds: no import loop (lazy imports counted), every module imports on its
-own in a fresh interpreter, only ``comm.py`` imports mpi4py (and, tested on 2 ranks in
-tests/cases/mpi_calls.py, calls an mpi4py object), a rule is checked against ``Rule``, and the
-optimizers show the engine's options in their signatures."""
+"""The package's shape holds: no import loop (lazy imports counted), no import from a lower
+layer up, every module imports on its own in a fresh interpreter, only ``comm.py`` imports
+mpi4py (and, tested on 2 ranks in tests/cases/mpi_calls.py, calls an mpi4py object), the engine
+stays a small composer of parts with no branch on a feature option, a rule is checked against
+``Rule``, and the optimizers show the engine's options in their signatures."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from mpi4py import MPI
 from mpirun import run_mpi
 import zero1_mpi
 from zero1_mpi import ShardedOptimizer, ZeroAdam, ZeroAdamW, ZeroLAMB, ZeroLion, ZeroSGD
+from zero1_mpi.options import OPTIONS
 from zero1_mpi.rules import Rule, missing_members
 from zero1_mpi.rules.registry import NAMES, builtin_rules
 
@@ -82,6 +84,50 @@ def test_the_package_has_no_import_loop():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+#: The package's layers, lowest first: a module imports only modules of its own layer or lower
+#: ones (a new module must be placed here). Entry points (``__main__``) sit on top.
+LAYERS = (
+    ("pure: stdlib, numpy", {"layout", "memory", "scaler", "progress", "launcher", "rule",
+                             "rules.options", "watchdog", "views"}),
+    ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions"}),
+    ("the engine's parts", {"topology", "gathers", "buckets", "grad_shards", "gradients",
+                            "offload", "state", "step", "checkpoint", "export", "preemption",
+                            "persistence", "options", "configure", "ledger", "nccl"}),
+    ("the engine", {"engine"}),
+    ("the optimizers", {"rules", "rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
+                        "rules.registry"}),
+    ("the package, bindings and tools", {"", "binding", "torch", "jax", "memory_tool",
+                                         "memory.__main__"}),
+)
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    layer = {f"zero1_mpi.{name}".rstrip("."): index
+             for index, (_, names) in enumerate(LAYERS) for name in names}
+    assert set(layer) == set(MODULES), f"place these in LAYERS: {set(MODULES) ^ set(layer)}"
+    for name, path in MODULES.items():
+        for target in imports_of(name, path):
+            assert layer[target] <= layer[name], \
+                f"{name} ({LAYERS[layer[name]][0]}) imports {target} ({LAYERS[layer[target]][0]})"
+
+
+def test_the_engine_composes_parts_and_branches_on_no_feature():
+    """``ShardedOptimizer`` at most 250 lines and engine.py at most 400; no ``if`` (or
+    conditional expression) in engine.py names a feature option: a feature is a part."""
+    source = (PACKAGE / "engine.py").read_text()
+    tree = ast.parse(source)
+    (cls,) = [node for node in tree.body if isinstance(node, ast.ClassDef)
+              and node.name == "ShardedOptimizer"]
+    assert cls.end_lineno - cls.lineno + 1 <= 250
+    assert len(source.splitlines()) <= 400
+    features = {o.name for o in OPTIONS} | {"offloaded", "on_host", "sharded", "mixed"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            named = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)} | \
+                    {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+            assert not named & features, f"engine.py:{node.lineno} branches on {named & features}"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
