@@ -48,34 +48,24 @@ class ShardedOptimizer:
 
     def __init__(self, params, comm, rule, defaults: dict, **engine_options):
         setup = configure(params, comm, rule, defaults, engine_options)
-        self.comm, self.rule, self.layout, self.options = setup.comm, rule, setup.layout, \
-            setup.options
+        o, layout, xp = setup.options, setup.layout, backend.xp_for(setup.backend)
+        self.comm, self.rule, self.layout, self.options = setup.comm, rule, layout, o
         self.param_groups, self.backend, self.closed = setup.groups, setup.backend, False
-        self.counters = Counters(setup.groups, setup.options.loss_scale,
-                                 setup.options.max_grad_norm)
-        largest = max(b.shard_size for b in setup.layout.buckets)
-        xp = backend.xp_for(setup.backend)
-        self._reductions = reductions_of(setup.backend, largest)
+        self.counters = counters = Counters(setup.groups, o.loss_scale, o.max_grad_norm)
+        self._reductions = reductions = reductions_of(setup.backend, layout)
         with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
-            self.topology = Topology(setup.comm, setup.options.shard_group_size,
-                                     setup.owns_comm)
+            self.topology = topology = Topology(setup.comm, o.shard_group_size, setup.owns_comm)
             #: Ends the job when a step's collectives hang (``step_timeout``); marks where.
-            self.watchdog = Watchdog(setup.options.step_timeout, self.rank, self.comm.abort)
-            self.state = sharded_state(setup.options, setup.layout, self.topology, rule, xp,
-                                       self.watchdog, before_read=self.wait)
-            self.state.seed(setup.arrays)
-            self.gradients = gradient_source(setup.options, setup.layout, xp, self.topology,
-                                             self._reductions, self.watchdog)
-        self.persistence = Persistence(self.comm, self.state, self.counters, self.wait,
-                                       self.watchdog)
-        self._steps = StepPipeline(self.comm, rule, self.state, self.gradients,
-                                   self.persistence, self.counters, self._reductions,
-                                   self.watchdog)
+            self.watchdog = watch = Watchdog(o.step_timeout, self.rank, self.comm.abort)
+            self.state = state = sharded_state(o, layout, topology, rule, xp, watch, self.wait)
+            state.seed(setup.arrays)
+            self.gradients = grads = gradient_source(o, layout, xp, topology, reductions, watch)
+        self.persistence = Persistence(self.comm, state, counters, self.wait, watch)
+        self._steps = StepPipeline(rule, state, grads, self.persistence, counters, reductions)
         #: Closed in reverse order by ``close()``.
-        self._parts = [self.topology, self.watchdog, self.state, self.gradients,
-                       self.persistence]
-        self.params, self.grads = self.state.params, self.gradients.grads
-        weakref.finalize(self, self.watchdog.close)
+        self._parts = [topology, watch, state, grads, self.persistence]
+        self.params, self.grads = state.params, grads.grads
+        weakref.finalize(self, watch.close)
 
     def __getattr__(self, name: str):
         """The engine options and the shard groups' facts, as attributes."""

@@ -53,9 +53,11 @@ def reductions_for(kind: str, largest: int):
     return NumpyReductions(largest)
 
 
-def reductions_of(backend: str, largest: int):
-    """The engine's reductions for parameters of ``backend`` (``"numpy"`` or ``"cupy"``):
-    CuPy's, else those of the CPU kernel family ``resolve_cpu_kernel`` chooses."""
+def reductions_of(backend: str, layout):
+    """The engine's reductions for parameters of ``backend`` (``"numpy"`` or ``"cupy"``) laid
+    out by ``layout``: CuPy's, else those of the CPU kernel family ``resolve_cpu_kernel``
+    chooses, with scratch for the largest shard of a bucket."""
+    largest = max(b.shard_size for b in layout.buckets)
     return reductions_for("cupy" if backend == "cupy" else resolve_cpu_kernel(), largest)
 
 

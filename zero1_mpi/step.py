@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from dataclasses import astuple, dataclass, field, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 from .comm import CollectiveError
@@ -82,25 +82,20 @@ class Agreement:
         return ranks * int(total_sq) == int(total) ** 2
 
 
-@dataclass
 class StepPipeline:
-    """The step of an optimizer made of ``state`` (``state.ShardedState``), ``gradients`` (a
-    ``gradients.GradientSource``), ``persistence`` (``persistence.Persistence``: a signal's
-    checkpoint, a non-blocking save to publish) and ``counters``, over ``comm``; ``rule``: the
-    update rule; ``reductions``: the sum of squares; ``watch``: the step's ``Watchdog``."""
+    """The step of an optimizer made of ``state`` (``state.ShardedState``: its shard groups'
+    communicator and watchdog are the step's), ``gradients`` (a ``gradients.GradientSource``),
+    ``persistence`` (``persistence.Persistence``: a signal's checkpoint, a non-blocking save to
+    publish) and ``counters``; ``rule``: the update rule; ``reductions``: the sum of squares."""
 
-    comm: object
-    rule: object
-    state: object
-    gradients: object
-    persistence: object
-    counters: Counters
-    reductions: object
-    watch: object
-    #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
-    #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
-    #: CuPy work is asynchronous: there the phases are the host's, not the device's.
-    last_step_seconds: dict = field(default_factory=dict)
+    def __init__(self, rule, state, gradients, persistence, counters: Counters, reductions):
+        self.rule, self.state, self.gradients = rule, state, gradients
+        self.persistence, self.counters, self.reductions = persistence, counters, reductions
+        self.comm, self.watch = state.topology.comm, state.watch
+        #: Host seconds of the last completed step by phase: reduce (the gradient reduction),
+        #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
+        #: CuPy work is asynchronous: there the phases are the host's, not the device's.
+        self.last_step_seconds: dict = {}
 
     def run(self, wait: bool = True, problem: str | None = None) -> StepInfo:
         """``ShardedOptimizer.step``: armed on the watchdog by the caller."""
