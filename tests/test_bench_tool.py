@@ -1,7 +1,12 @@
-"""tools/bench.py step --optimizer, without MPI: each registered rule's kernels against its
-reference on a small shard (a one-process stand-in for the communicator), and the kernel table."""
+"""tools/bench.py: the command lists its eight benchmarks and each documents its options; the
+gpu benchmark says what it lacks on a machine without CuPy or a GPU; and ``step --optimizer``,
+without MPI: each registered rule's kernels against its reference on a small shard (a
+one-process stand-in for the communicator), and the kernel table."""
 
 import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +16,7 @@ pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench.py"
+NAMES = ("step", "stage2", "checkpoint", "comm", "offload", "watchdog", "node", "gpu")
 REFERENCES = {"adam": "torch_fused_adamw", "sgd": "torch_sgd_foreach", "lion": "zero1_numpy",
               "lamb": "zero1_numpy"}
 
@@ -22,6 +28,33 @@ def bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_help_lists_the_eight_benchmarks_and_each_documents_its_options(bench, capsys):
+    out = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    listed = out.split("positional arguments:")[1].split("options:")[0]
+    assert re.findall(r"^    (\S+)", listed, re.M) == list(NAMES), out  # with their help
+    for name in NAMES:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main([name, "--help"])
+        assert exit_.value.code == 0, name
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: tools/bench.py {name} ") and "--json" in text, text
+
+
+def test_gpu_without_cupy_or_a_gpu_says_so_in_one_line():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount():
+            pytest.skip("a GPU is here: tools/gpu_check.sh runs the gpu benchmark")
+    except Exception:  # noqa: BLE001 - no CuPy, or no driver: what this test is about
+        pass
+    result = subprocess.run([sys.executable, str(BENCH), "gpu", "--params", "1M"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and result.stdout == "", result
+    assert result.stderr.startswith("tools/bench.py gpu needs CuPy and a GPU: "), result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
 class OneRank:
