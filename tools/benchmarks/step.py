@@ -28,6 +28,7 @@ needs matplotlib). Example: python tools/bench.py step --ranks 1,2,4 --json step
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -51,7 +52,8 @@ KNOWN = {
 def options(parser) -> None:
     parser.add_argument("--optimizer", default="adam", choices=list(builtin_rules()),
                         help="the update rule measured, against its reference (default adam)")
-    parser.add_argument("--model", default="mlp", help="mlp (25M) or flat:<elements>")
+    parser.add_argument("--model", type=model, default="mlp",
+                        help="mlp (25M) or flat:<elements>")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     common.steps(parser, 10, warmup=3)
     parser.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
@@ -91,7 +93,13 @@ def model_shapes(model: str) -> dict:
         return shapes
     if model.startswith("flat:"):
         return {"flat": (common.count(model[5:]),)}
-    raise SystemExit(f"--model {model!r}: use mlp or flat:<elements>")
+    raise argparse.ArgumentTypeError(f"{model!r}: use mlp or flat:<elements>")
+
+
+def model(text: str) -> str:
+    """An argparse type: ``--model`` checked (``model_shapes``)."""
+    model_shapes(text)
+    return text
 
 
 def has_torch() -> bool:
