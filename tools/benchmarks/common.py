@@ -107,8 +107,10 @@ def run(bench, args, argv: list[str]) -> int:
                                      args.timeout))
             print(f"N={n} done", file=sys.stderr, flush=True)
     else:
+        from mpi4py import MPI
+
         result = bench.worker(args)
-        if rank() != 0:
+        if MPI.COMM_WORLD.Get_rank() != 0:
             return 0
         if getattr(args, "worker", False):
             print(json.dumps(result), flush=True)
@@ -118,11 +120,6 @@ def run(bench, args, argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(found, indent=1) + "\n")
     return 0
-
-
-def rank() -> int:
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.Get_rank()
 
 
 def init_gloo(comm) -> None:

@@ -29,6 +29,7 @@ needs matplotlib). Example: python tools/bench.py step --ranks 1,2,4 --json step
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
 import numpy as np
@@ -100,14 +101,6 @@ def model(text: str) -> str:
     """An argparse type: ``--model`` checked (``model_shapes``)."""
     model_shapes(text)
     return text
-
-
-def has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # -- the worker: runs on every rank ------------------------------------------------------------
@@ -194,7 +187,7 @@ def worker(args) -> dict:
                           "state_bytes": psi * state_bytes}
 
     # Kernels alone, on arrays far larger than the caches (as a large model's shard would be).
-    with_torch = has_torch()
+    with_torch = importlib.util.find_spec("torch") is not None
     result["kernels"] = kernel_throughput(comm, max(psi // size, 1 << 23), dtype, choice,
                                           with_torch)
     if with_torch and dtype == np.float32 and choice["torch"]:
