@@ -19,8 +19,8 @@ def test_non_blocking_saves(tmp_path, n, group):
 
 @pytest.mark.mpi_independent
 def test_the_training_benchmark_reports_the_held_and_overlapped_steps():
-    """tools/checkpoint_bench.py --training: one row per world size, the host copy's size."""
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint_bench.py"),
+    """`tools/bench.py checkpoint --training`: one row per world size, the host copy's size."""
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "checkpoint",
                              "--training", "--params", "200K", "--ranks", "2", "--steps", "2"],
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr

@@ -1,9 +1,13 @@
-"""tools/bench.py --optimizer, without MPI: each registered rule's kernels against its reference
-on a small shard (a one-process stand-in for the communicator), and the kernel table."""
+"""tools/bench.py: the command lists its eight benchmarks and each documents its options; the
+gpu benchmark says what it lacks on a machine without CuPy or a GPU; and ``step --optimizer``,
+without MPI: each registered rule's kernels against its reference on a small shard (a
+one-process stand-in for the communicator), and the kernel table."""
 
 import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,17 +15,46 @@ import pytest
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "tools" / "bench.py"
+NAMES = ("step", "stage2", "checkpoint", "comm", "offload", "watchdog", "node", "gpu")
 REFERENCES = {"adam": "torch_fused_adamw", "sgd": "torch_sgd_foreach", "lion": "zero1_numpy",
               "lamb": "zero1_numpy"}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """tools/bench.py, the driver (tables); its ``bench_worker`` measures."""
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "tools" / "bench.py")
+    """tools/bench.py, the command (it puts tools/ on sys.path: ``benchmarks`` imports)."""
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_help_lists_the_eight_benchmarks_and_each_documents_its_options(bench, capsys):
+    out = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    listed = out.split("positional arguments:")[1].split("options:")[0]
+    assert re.findall(r"^    (\S+)", listed, re.M) == list(NAMES), out  # with their help
+    for name in NAMES:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main([name, "--help"])
+        assert exit_.value.code == 0, name
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: tools/bench.py {name} ") and "--json" in text, text
+
+
+def test_gpu_without_cupy_or_a_gpu_says_so_in_one_line():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount():
+            pytest.skip("a GPU is here: tools/gpu_check.sh runs the gpu benchmark")
+    except Exception:  # noqa: BLE001 - no CuPy, or no driver: what this test is about
+        pass
+    result = subprocess.run([sys.executable, str(BENCH), "gpu", "--params", "1M"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and result.stdout == "", result
+    assert result.stderr.startswith("tools/bench.py gpu needs CuPy and a GPU: "), result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
 class OneRank:
@@ -37,15 +70,14 @@ class OneRank:
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", list(REFERENCES))
 def test_kernels_against_their_reference(bench, name, dtype):
-    choice = bench.bench_worker.optimizer_choice(name)
+    from benchmarks import step, step_report
+    choice = step.optimizer_choice(name)
     has_torch = importlib.util.find_spec("torch") is not None
-    args = SimpleNamespace(torch=has_torch)
-    out = bench.bench_worker.kernel_throughput(np, OneRank(), SimpleNamespace(MAX=None), 1 << 12,
-                                  np.dtype(dtype), args, choice)
+    out = step.kernel_throughput(OneRank(), 1 << 12, np.dtype(dtype), choice, has_torch)
     reference = REFERENCES[name] if has_torch or name in ("lion", "lamb") else "zero1_numpy"
     assert out["reference"] == reference
     rows = [k for k in out if k.startswith(("zero1", "torch"))]
-    assert all(bench.reference_rate(out, row) for row in rows)  # each row has its reference
+    assert all(step_report.reference_rate(out, row) for row in rows)  # each row has its reference
     assert out["bytes_per_element"] == 12 + 8 * len(choice["rule"].state_names) \
         + (2 if dtype != "float32" else 0)
     assert rows and all(out[row]["Gelem_per_s"] > 0 for row in rows)
@@ -55,16 +87,17 @@ def test_kernels_against_their_reference(bench, name, dtype):
                         "state_bytes": 1},
               "baseline": {"reduce": 1.0, "optimizer": 1.0, "bytes": 1, "state_bytes": 1}}
     if choice["torch"] is None:
-        result["torch_zero_skipped"] = f"torch has no {bench.rule_label(name)} optimizer"
-    text = bench.table([result])
-    assert f"vs {reference} |" in text and f"full {bench.rule_label(name)} |" in text
+        result["torch_zero_skipped"] = f"torch has no {step_report.rule_label(name)} optimizer"
+    text = step_report.table([result])
+    assert f"vs {reference} |" in text and f"full {step_report.rule_label(name)} |" in text
     assert "x |" in text.split(f"vs {reference} |")[1]  # the ratios are there, not "-"
     assert ("skipped, torch has no" in text) == (choice["torch"] is None)
 
 
 def test_two_phase_update_is_the_engines_lamb(bench):
     """One range through ``rule_update`` equals the rule's own two phases by hand."""
-    choice = bench.bench_worker.optimizer_choice("lamb")
+    from benchmarks import step
+    choice = step.optimizer_choice("lamb")
     rule = choice["rule"]
     rng = np.random.default_rng(0)
     grad = rng.standard_normal(300).astype(np.float32)
@@ -73,7 +106,7 @@ def test_two_phase_update_is_the_engines_lamb(bench):
     mine, theirs = master.copy(), master.copy()
     states_mine = [np.zeros(300, np.float32) for _ in rule.state_names]
     states_theirs = [np.zeros(300, np.float32) for _ in rule.state_names]
-    bench.bench_worker.rule_update(rule, "numpy", 300)(grad, mine, states_mine, None, s)
+    step.rule_update(rule, "numpy", 300)(grad, mine, states_mine, None, s)
     kernel = rule.kernel("numpy", 300)
     sums = kernel.tensor_sums(grad, theirs, *states_theirs, s)
     kernel.apply(theirs, *states_theirs, None, rule.tensor_scalars(s, sums))

@@ -170,12 +170,13 @@ def test_parity_across_two_namespaces(tmp_path):
 def test_flat_and_node_level_sharding_across_two_namespaces(tmp_path):
     """tests/cases/hierarchical.py on 2 x 2 ranks: every rule against the float64 reference,
     flat and with the state sharded within each namespace (K = 2, one replica per node), and
-    checkpoints saved node-level loaded flat; then tools/node_bench.py reports both."""
+    checkpoints saved node-level loaded flat; then `tools/bench.py node` reports both."""
     _, out, _ = _run("--", sys.executable, "-m", "mpi4py", "tests/cases/hierarchical.py",
                      "save", str(tmp_path), timeout=400)
     assert "OK hierarchical sharding on 4 ranks: K = [2]" in out
-    _, out, _ = _run("--rate", "1gbit", "--", sys.executable, "tools/node_bench.py", "--params",
-                     "1M", "--steps", "2", "--json", str(tmp_path / "bench.json"), timeout=300)
+    _, out, _ = _run("--rate", "1gbit", "--", sys.executable, "tools/bench.py", "node",
+                     "--params", "1M", "--steps", "2", "--json", str(tmp_path / "bench.json"),
+                     timeout=300)
     rows = {r["sharding"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
     assert rows["flat"]["shard_group_size"] == 4 and rows["node-level"]["shard_group_size"] == 2
     assert rows["node-level"]["replicas"] == 2  # "node" found the two namespaces

@@ -142,15 +142,15 @@ def test_threads_default_to_the_cores_the_rank_may_use(monkeypatch):
 
 @pytest.mark.parametrize("rule", ["adam", "sgd"])
 def test_offload_bench_tool_reports_both_settings(tmp_path, rule):
-    """tools/offload_bench.py on NumPy parameters (the device script runs it on a GPU): the
+    """`tools/bench.py offload` on NumPy parameters (the device script runs it on a GPU): the
     device holds 16-bit params and grads only when offloaded, the host the rest."""
     import json
     import subprocess
     import sys
     from pathlib import Path
     out = tmp_path / "bench.json"
-    tool = Path(__file__).resolve().parents[1] / "tools" / "offload_bench.py"
-    result = subprocess.run([sys.executable, str(tool), "--backend", "numpy", "--params", "1M",
+    tool = Path(__file__).resolve().parents[1] / "tools" / "bench.py"
+    result = subprocess.run([sys.executable, str(tool), "offload", "--backend", "numpy", "--params", "1M",
                              "--steps", "1", "--rule", rule, "--json", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,4 @@
-"""tools/stage2_bench.py at a tiny size: 2 ranks, a 1024->64->64->1024 MLP, 2 steps, float32,
+"""`tools/bench.py stage2` at a tiny size: 2 ranks, a 1024->64->64->1024 MLP, 2 steps, float32,
 1 and 2 micro-batches. The table has the three rows of each cell with numbers, stage 1 and
 stage 2 end at the same loss, and FSDP2 runs wherever torch has it and gloo (else its rows say
 why they were skipped)."""
@@ -36,7 +36,7 @@ def test_tiny_run_has_three_rows_per_cell_and_stage_1_and_2_agree(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), os.environ.get("PYTHONPATH", "")]), "ZERO1_MPI_KERNEL": "numpy"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "stage2_bench.py"), "--ranks", "2",
+        [sys.executable, str(ROOT / "tools" / "bench.py"), "stage2", "--ranks", "2",
          "--dtypes", "float32", "--accumulate", "1,2", "--model", "mlp:64", "--batch", "8",
          "--steps", "2", "--warmup", "1", "--timeout", "50", "--json", str(out)],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env=env, check=False)

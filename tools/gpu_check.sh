@@ -5,7 +5,7 @@
 # reports everything; it exits non-zero if any check failed. The checks: the environment (GPU,
 # CuPy, NCCL, MPI and whether it is CUDA-aware), tests/test_gpu.py with ZERO1_REQUIRE_GPU=1
 # (a missing GPU or CuPy fails instead of skipping), tools/gpu_compile_check.py against the
-# kernel sources CuPy compiled in those tests, tools/gpu_bench.py, the main example on
+# kernel sources CuPy compiled in those tests, `tools/bench.py gpu`, the main example on
 # CuPy arrays and, where torch has CUDA, the torch example on DLPack views of CuPy buffers
 # beside the same run with DDP and the GPT example on one rank beside torch's fused AdamW in
 # one process (tokens/s), all multi-rank runs on 2 ranks (they may share a GPU), launched
@@ -13,7 +13,7 @@
 # from .whl/impi-rt-slim.tar.xz, made by tools/pack_mpi.py): tools/mpi_probe.py --device, the
 # staged and CUDA-aware paths against each other with their step times on 2 and 4 ranks
 # sharing the GPU (tests/cases/transport.py), the example on that path with its final losses
-# compared to the staged runs'; and tools/offload_bench.py (a 1B-parameter bf16 model).
+# compared to the staged runs'; and `tools/bench.py offload` (a 1B-parameter bf16 model).
 # Output: gpu_check.log (everything printed), summary.md and summary.json (one line per check,
 # the benchmarks' tables, the offload figures and the GPT tokens/s ratio).
 #
@@ -73,7 +73,7 @@ export CUPY_CACHE_DIR=/tmp/zero1-gpu-check-cupy-cache CUPY_CACHE_SAVE_CUDA_SOURC
 rm -rf "$CUPY_CACHE_DIR"
 check test_gpu 420 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 check gpu_compile_check 180 "$PY" tools/gpu_compile_check.py --against "$CUPY_CACHE_DIR"
-check gpu_bench 180 "$PY" tools/gpu_bench.py --elements 256M --markdown "$OUT_DIR/bench.md" \
+check "bench gpu" 180 "$PY" tools/bench.py gpu --params 256M --markdown "$OUT_DIR/bench.md" \
   --json "$OUT_DIR/bench.json"
 for dtype in float32 bfloat16; do
   check "train_mlp cupy $dtype" 120 "$PY" -m zero1_mpi.launcher -n 2 -- "$PY" -m mpi4py \
@@ -125,7 +125,7 @@ else
   results+=("impi (cuda-aware)|FAIL (no .whl/impi-rt-slim.tar.xz)|0")
   failed=$((failed + 1))
 fi
-check offload_bench 300 "$PY" tools/offload_bench.py --params 1B --steps 2 \
+check "bench offload" 300 "$PY" tools/bench.py offload --params 1B --steps 2 \
   --json "$OUT_DIR/offload.json"
 
 {

@@ -1,7 +1,7 @@
 """Run a tool's worker under ``mpiexec -n N`` and collect the JSON line its rank 0 prints.
 
-Shared by the tools that measure across world sizes (``memory_table.py --measure``,
-``checkpoint_bench.py``, ``bench.py --ranks``). ``zero1_mpi.launcher.run`` gives the command
+Shared by the tools that measure across world sizes (``memory_table.py --measure``, and
+``bench.py``'s benchmarks with ``--ranks``). ``zero1_mpi.launcher.run`` gives the command
 line (``ZERO1_MPIEXEC``, or ``--mpiexec``, and what each MPI needs) and kills the whole job on
 timeout.
 """

@@ -21,7 +21,7 @@ __all__ = ["Layout", "Bucket", "TensorSlot", "build_layout", "check_bucket_eleme
 
 #: Shards are whole multiples of this many elements (aligned, vector-friendly).
 DEFAULT_ALIGN = 64
-#: Default bucket size, in elements (4M: 8 MiB of 16-bit gradients; tools/comm_bench.py).
+#: Default bucket size, in elements (4M: 8 MiB of 16-bit gradients; `tools/bench.py comm`).
 DEFAULT_BUCKET_ELEMENTS = 1 << 22
 
 

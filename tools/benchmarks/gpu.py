@@ -1,38 +1,53 @@
-"""python tools/gpu_bench.py [--elements 256M] [--markdown F] [--json F]   (one GPU)
+"""One GPU: the fused CuPy kernels' bandwidth against in-place passes and torch; transfers.
 
 On the GPU, in one run: the effective bandwidth of zero1_mpi's fused CuPy Adam kernel (fp32
 parameters; bf16 parameters with fp32 masters, bf16 and fp32 gradients) against the device's
 measured in-place read-write bandwidth (the best ``x *= c`` pass over fp32, every byte read
-and written once; target >= 90%), beside ``torch.optim.AdamW(fused=True)`` on the same fp32
-problem when torch has CUDA (target: zero1's time <= torch's); the other rules' CuPy kernels
-on fp32 (SGD with momentum beside ``torch.optim.SGD(foreach=True)``, Lion, and LAMB's two
-phases on one tensor, bytes counted as they move them); and the time of moving one
+and written once; target >= 90 percent), beside ``torch.optim.AdamW(fused=True)`` on the same
+fp32 problem when torch has CUDA (target: zero1's time <= torch's); the other rules' CuPy
+kernels on fp32 (SGD with momentum beside ``torch.optim.SGD(foreach=True)``, Lion, and LAMB's
+two phases on one tensor, bytes counted as they move them); and the time of moving one
 4M-element bucket through the communicator: staged through pinned host memory, directly (only
-if MPI is CUDA-aware) and through NCCL. Prints markdown tables; ``--json`` writes the numbers.
+if MPI is CUDA-aware) and through NCCL. --params is the elements of each array (the parameters
+one kernel call updates). Prints markdown tables (--markdown writes them to a file too).
+Needs CuPy and a GPU. Example: python tools/bench.py gpu --params 256M --json gpu.json
 """
 
-import argparse
-import json
-import sys
+from __future__ import annotations
+
 import time
 from pathlib import Path
 
-try:
-    import zero1_mpi  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import cupy
 import numpy as np
-from mpi4py import MPI
 
-from zero1_mpi import Communicator
-from zero1_mpi.backend import BFLOAT16
-from zero1_mpi.rules.adam import AdamScalars, CupyAdam
-from zero1_mpi.rules.lamb import CupyLamb, Lamb
-from zero1_mpi.rules.lion import CupyLion, Lion
-from zero1_mpi.rules.sgd import SGD, CupySGD
-from zero1_mpi.memory import parse_param_count
+from . import common
+
+RANKS, TIMEOUT = False, None
+cupy = None  # imported by worker(): the module loads without CuPy (for --help)
+
+
+def options(parser) -> None:
+    common.params(parser, "256M", "elements per array")
+    parser.add_argument("--markdown", help="also write the tables to this file")
+
+
+def worker(args) -> dict:
+    """The tables' rows, measured; SystemExit with what is missing without CuPy or a GPU."""
+    global cupy
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - ImportError, CUDARuntimeError: both say why
+        raise SystemExit(f"tools/bench.py gpu needs CuPy and a GPU: {type(exc).__name__}: "
+                         f"{exc} (pip install 'zero1-mpi[cuda12]' on a machine with an NVIDIA "
+                         "GPU)") from None
+    n = args.params
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    rows = ceiling_rows(n)
+    ceiling = max(moved / t for what, moved, t in rows if what.startswith("in-place"))
+    rows += kernel_rows(n) + rule_rows(n)
+    return {"device": device, "elements": n, "ceiling": ceiling, "rows": rows,
+            "comm": comm_rows()}
 
 
 def seconds(fn, repeat=20):
@@ -94,6 +109,9 @@ def _torch_cuda():
 
 def kernel_rows(n):
     """(what, bytes moved, seconds) for zero1's kernels and torch's fused AdamW."""
+    from zero1_mpi.backend import BFLOAT16
+    from zero1_mpi.rules.adam import AdamScalars, CupyAdam
+
     rows = []
     s = AdamScalars.for_step(1, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                              decoupled=True)
@@ -112,22 +130,17 @@ def kernel_rows(n):
                      seconds(lambda: kernel(grad, master, m, v, param, s))))
         del grad, param
     del m, v, master
-    torch = _torch_cuda()
-    if torch is not None:
-        p = torch.nn.Parameter(torch.ones(n, device="cuda"))
-        p.grad = torch.full((n,), 1e-3, device="cuda")
-        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-        opt.step()  # allocate the state before timing
-        rows.append(("torch AdamW(fused=True), fp32 params, fp32 grads", 28 * n,
-                     seconds(opt.step)))
-        del p, opt
-        torch.cuda.empty_cache()
-    return rows
+    return rows + torch_rows(n, "torch AdamW(fused=True), fp32 params, fp32 grads", 28, "AdamW",
+                             fused=True)
 
 
 def rule_rows(n):
     """(what, bytes moved, seconds) for the other rules' CuPy kernels on fp32, beside
     ``torch.optim.SGD(momentum=0.9, foreach=True)``."""
+    from zero1_mpi.rules.lamb import CupyLamb, Lamb
+    from zero1_mpi.rules.lion import CupyLion, Lion
+    from zero1_mpi.rules.sgd import SGD, CupySGD
+
     grad, master = cupy.full(n, 1e-3, np.float32), cupy.ones(n, np.float32)
     m, v = cupy.zeros(n, np.float32), cupy.zeros(n, np.float32)
     sgd = SGD.scalars(2, {"lr": 1e-4, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
@@ -149,20 +162,32 @@ def rule_rows(n):
              seconds(lambda: CupyLion()(grad, master, m, None, lion))),
             ("zero1 CuPy LAMB, both phases, fp32", 52 * n, seconds(lamb_step))]
     del grad, master, m, v
+    return rows + torch_rows(n, "torch SGD(momentum, foreach=True), fp32", 20, "SGD",
+                             momentum=0.9, foreach=True)
+
+
+def torch_rows(n, what: str, bytes_per_element: int, optimizer: str, **options) -> list:
+    """[(what, bytes moved, seconds)] of ``torch.optim.<optimizer>(lr=1e-4, **options)`` over
+    ``n`` fp32 on the GPU, or [] where torch has no CUDA."""
     torch = _torch_cuda()
-    if torch is not None:
-        p = torch.nn.Parameter(torch.ones(n, device="cuda"))
-        p.grad = torch.full((n,), 1e-3, device="cuda")
-        opt = torch.optim.SGD([p], lr=1e-4, momentum=0.9, foreach=True)
-        opt.step()  # the momentum buffer exists from here on
-        rows.append(("torch SGD(momentum, foreach=True), fp32", 20 * n, seconds(opt.step)))
-        del p, opt
-        torch.cuda.empty_cache()
-    return rows
+    if torch is None:
+        return []
+    p = torch.nn.Parameter(torch.ones(n, device="cuda"))
+    p.grad = torch.full((n,), 1e-3, device="cuda")
+    opt = getattr(torch.optim, optimizer)([p], lr=1e-4, **options)
+    opt.step()  # its state exists from here on: allocated before timing
+    row = (what, bytes_per_element * n, seconds(opt.step))
+    del p, opt
+    torch.cuda.empty_cache()
+    return [row]
 
 
 def comm_rows():
     """(how, alltoall seconds, allgather seconds) for one 4M-element fp32 bucket on 1 rank."""
+    from mpi4py import MPI
+
+    from zero1_mpi import Communicator
+
     bucket = cupy.ones(1 << 22, np.float32)
     recv = cupy.empty_like(bucket)
     comms = [("staged through pinned host memory", Communicator(MPI.COMM_SELF,
@@ -178,45 +203,29 @@ def comm_rows():
              seconds(lambda: comm.allgather_inplace(bucket))) for how, comm in comms]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--elements", default="256M")
-    parser.add_argument("--markdown", help="also write the tables to this file")
-    parser.add_argument("--json", help="write the numbers to this file")
-    args = parser.parse_args(argv)
-    n = parse_param_count(args.elements)
-    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-
-    rows = ceiling_rows(n)
-    ceiling = max(moved / t for what, moved, t in rows if what.startswith("in-place"))
-    rows += kernel_rows(n) + rule_rows(n)
-    torch_rows = {"Adam": next((r for r in rows if r[0].startswith("torch AdamW")), None),
-                  "SGD": next((r for r in rows if r[0].startswith("torch SGD")), None)}
-    lines = [f"{device}, {n:,} elements per array; 'of in-place': of the best in-place "
-             f"read-write pass ({ceiling / 1e9:.0f} GB/s)", "",
-             "| what | ms | GB/s | of in-place | time vs torch's (fused AdamW, SGD foreach) |",
-             "|---|---:|---:|---:|---:|"]
+def report(args, results: list[dict]) -> dict:
+    found = results[0]
+    n, ceiling, rows, comm = (found[k] for k in ("elements", "ceiling", "rows", "comm"))
+    torch_rows = {key: next((r for r in rows if r[0].startswith(f"torch {name}")), None)
+                  for key, name in (("Adam", "AdamW"), ("SGD", "SGD"))}
+    lines = [f"{found['device']}, {n:,} elements per array; 'of in-place': of the best "
+             f"in-place read-write pass ({ceiling / 1e9:.0f} GB/s)", "",
+             common.row("what", "ms", "GB/s", "of in-place",
+                        "time vs torch's (fused AdamW, SGD foreach)"), common.rule("lrrrr")]
     for what, moved, t in rows:
         ref = next((r for key, r in torch_rows.items() if r and key in what), None)
-        vs_torch = f"{t / ref[2]:.2f}x" if ref else ""
-        lines.append(f"| {what} | {t * 1e3:.3f} | {moved / t / 1e9:.0f} | "
-                     f"{moved / t / ceiling:.0%} | {vs_torch} |")
-    comm = comm_rows()
-    lines += ["", "| one 4M-element fp32 bucket, 1 rank | alltoall ms | allgather ms |",
-              "|---|---:|---:|"]
-    lines += [f"| {how} | {a2a * 1e3:.3f} | {gather * 1e3:.3f} |" for how, a2a, gather in comm]
+        lines.append(common.row(what, f"{t * 1e3:.3f}", f"{moved / t / 1e9:.0f}",
+                                f"{moved / t / ceiling:.0%}", f"{t / ref[2]:.2f}x" if ref else ""))
+    lines += ["", common.row("one 4M-element fp32 bucket, 1 rank", "alltoall ms",
+                             "allgather ms"), common.rule("lrr")]
+    lines += [common.row(how, f"{a2a * 1e3:.3f}", f"{gather * 1e3:.3f}") for how, a2a, gather
+              in comm]
     text = "\n".join(lines)
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "device": device, "elements": n,
+    return {"device": found["device"], "elements": n,
             "kernels": [{"what": w, "bytes": b, "seconds": t, "gb_per_s": b / t / 1e9,
                          "of_in_place": b / t / ceiling} for w, b, t in rows],
             "bucket_4M_fp32": [{"how": h, "alltoall_s": a, "allgather_s": g}
-                               for h, a, g in comm]}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+                               for h, a, g in comm]}

@@ -1,38 +1,45 @@
-"""The per-rank half of ``tools/bench.py``: measures one world size and prints one JSON line.
+"""One optimizer step: plain data parallelism, zero1_mpi, torch's ZeroRedundancyOptimizer.
 
-``mpiexec -n N python -m mpi4py tools/bench_worker.py [--optimizer adam] [--model mlp] [--dtype
-float32] [--steps 10] [--warmup 3]``, as ``bench.py --ranks`` launches it; ``bench.py`` without
-``--ranks`` calls ``worker(args)`` in-process. On every rank: (a) plain data parallelism with the
-same kernel, (b) zero1_mpi, (c) torch's ``ZeroRedundancyOptimizer`` where torch has the rule
-(fp32), the overlap experiment and the kernels' throughput; rank 0 prints the result.
-The rules are the registry's (``zero1_mpi.rules.registry``): each runs with lr 1e-4, its
-defaults and the options in ``KNOWN``, against torch's optimizer where ``KNOWN`` names one and
-its own NumPy twin otherwise.
+Measures, side by side in one run on the same parameters and gradients, one optimizer step of
+(a) plain data parallelism: an ``Allreduce`` of the gradients, then the full update on every
+    rank (the seed's baseline), with the same fused kernel as (b);
+(b) zero1_mpi: ``Reduce_scatter`` (or ``Alltoall`` + fp32 sum), the update on the owned shard,
+    ``Allgather``;
+(c) ``torch.distributed.optim.ZeroRedundancyOptimizer`` over gloo wrapping the torch reference
+    optimizer, after an all-reduce of the gradients (what DDP does), when torch is installed and
+    has the optimizer (fp32 only).
+For each: the step split into gradient reduction, optimizer math and parameter gathering (median
+over --steps after --warmup, the slowest rank each time), bytes per rank, and ratios; the
+overlap of the reduction with a simulated backward (``grads_ready``); and the throughput of the
+kernels alone (ours, NumPy and Numba, and the reference; for 16-bit, torch doing the same job:
+grads to fp32, its update, fp32 to 16-bit params) against the in-place read-write stream
+bandwidth measured in the same run (``a += b`` over fp32 arrays as large as the kernel's, bytes
+counted as for the kernel: the gradient read, the master weights and each state array read and
+written; LAMB's two passes move more than that).
+
+--optimizer picks any rule of ``zero1_mpi.rules.registry`` (``KNOWN``): adam (the default) is
+AdamW against ``torch.optim.AdamW(fused=True)``; sgd is SGD with momentum 0.9 against
+``torch.optim.SGD(momentum=0.9, foreach=True)``; the others (Lion, LAMB) have no torch
+optimizer: their reference is the rule's NumPy float32 twin at the same thread count, and (c)
+is skipped. --model mlp is the 25M-parameter MLP 1024->4096->4096->1024; flat:16M one flat
+tensor of that many elements. --plot writes a PNG (time split and bytes per rank against N;
+needs matplotlib). Example: python tools/bench.py step --ranks 1,2,4 --json step.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import sys
+import importlib.util
 import time
-from pathlib import Path
 
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")  # one thread per rank, for every library
+import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import zero1_mpi  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(ROOT))
+from zero1_mpi.rules.registry import builtin_rules
 
-from zero1_mpi.memory import parse_param_count  # noqa: E402
-from zero1_mpi.rules.registry import builtin_rules  # noqa: E402
+from . import common
+from .step_report import report, rule_label  # noqa: F401 (report: the benchmark's)
 
-PHASES = ("reduce", "optimizer", "gather")
+RANKS, TIMEOUT = None, 1200
 STEP = 2  # the step number of the kernels' scalars: past SGD's first step (a copy into the buffer)
 #: What the benchmark sets beside lr=1e-4 and the rule's defaults, and torch's reference
 #: (torch.optim class, its extra options, result key), for the rules torch has.
@@ -41,6 +48,16 @@ KNOWN = {
     "sgd": ({"momentum": 0.9}, ("SGD", {"foreach": True}, "torch_sgd_foreach")),
     "lion": ({"weight_decay": 1e-2}, None),
 }
+
+
+def options(parser) -> None:
+    parser.add_argument("--optimizer", default="adam", choices=list(builtin_rules()),
+                        help="the update rule measured, against its reference (default adam)")
+    parser.add_argument("--model", type=model, default="mlp",
+                        help="mlp (25M) or flat:<elements>")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    common.steps(parser, 10, warmup=3)
+    parser.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
 
 
 def optimizer_choice(name: str) -> dict:
@@ -76,14 +93,19 @@ def model_shapes(model: str) -> dict:
             shapes[f"w{i}"], shapes[f"b{i}"] = (b, a), (b,)
         return shapes
     if model.startswith("flat:"):
-        return {"flat": (parse_param_count(model[5:]),)}
-    raise SystemExit(f"--model {model!r}: use mlp or flat:<elements>")
+        return {"flat": (common.count(model[5:]),)}
+    raise argparse.ArgumentTypeError(f"{model!r}: use mlp or flat:<elements>")
 
 
-# -- the worker: runs on every rank ----------------------------------------------------------
+def model(text: str) -> str:
+    """An argparse type: ``--model`` checked (``model_shapes``)."""
+    model_shapes(text)
+    return text
+
+
+# -- the worker: runs on every rank ------------------------------------------------------------
 
 def worker(args) -> dict:
-    import numpy as np
     from mpi4py import MPI
 
     from zero1_mpi import ShardedOptimizer
@@ -101,19 +123,8 @@ def worker(args) -> dict:
     init = {k: np.random.default_rng(7).standard_normal(s).astype(np.float32) * 0.02
             for k, s in shapes.items()}
 
-    def slowest(seconds):
-        return comm.allreduce(seconds, op=MPI.MAX)
-
     def median_phases(run_step):
-        """Median over steps of each phase's time on the slowest rank."""
-        samples = {p: [] for p in PHASES}
-        for i in range(args.warmup + args.steps):
-            comm.Barrier()
-            phases = run_step()
-            if i >= args.warmup:
-                for p in PHASES:
-                    samples[p].append(slowest(phases.get(p, 0.0)))
-        return {p: statistics.median(v) for p, v in samples.items()}
+        return common.median_phases(comm, run_step, args.steps, args.warmup)
 
     choice = optimizer_choice(args.optimizer)
     rule, options = choice["rule"], choice["options"]
@@ -133,12 +144,12 @@ def worker(args) -> dict:
         return {"reduce": t["reduce"] + t["agree"], "optimizer": t["update"],
                 "gather": t["gather"]}
 
-    result["overlap"] = overlap_experiment(np, comm, MPI, opt, shapes, args)
-    report = opt.memory_report()
+    result["overlap"] = overlap_experiment(comm, opt, shapes, args)
+    report_ = opt.memory_report()
     owned = opt.layout.owned_real(rank)
     result["zero1"] = {**median_phases(zero1_step),
-                       "bytes": comm.allreduce(report.total, op=MPI.MAX),
-                       "state_bytes": comm.allreduce(owned * state_bytes, op=MPI.MAX),
+                       "bytes": common.slowest(comm, report_.total),
+                       "state_bytes": common.slowest(comm, owned * state_bytes),
                        "formula_bytes": psi * 2 * dtype.itemsize + psi * state_bytes / size}
     opt = None  # free its buffers before the baseline allocates its own
 
@@ -167,7 +178,7 @@ def worker(args) -> dict:
         for r in ranges:
             update(summed[r], master[r], [x[r] for x in states],
                    None if params16 is None else params16[r], scalars)
-        return {"reduce": t1 - t0, "optimizer": time.perf_counter() - t1}
+        return {"reduce": t1 - t0, "optimizer": time.perf_counter() - t1, "gather": 0.0}
 
     # params + grads (16-bit or fp32), the states, the fp32 master for 16-bit params, and for
     # 16-bit grads the fp32 buffer they are summed in (fp32 grads are summed in place).
@@ -176,16 +187,18 @@ def worker(args) -> dict:
                           "state_bytes": psi * state_bytes}
 
     # Kernels alone, on arrays far larger than the caches (as a large model's shard would be).
-    result["kernels"] = kernel_throughput(np, comm, MPI, max(psi // size, 1 << 23), dtype, args,
-                                          choice)
-    if args.torch and dtype == np.float32 and choice["torch"]:
-        result["torch_zero"] = torch_zero(comm, MPI, shapes, grads, init, median_phases, choice)
+    with_torch = importlib.util.find_spec("torch") is not None
+    result["kernels"] = kernel_throughput(comm, max(psi // size, 1 << 23), dtype, choice,
+                                          with_torch)
+    if with_torch and dtype == np.float32 and choice["torch"]:
+        from .step_torch import torch_zero
+        result["torch_zero"] = torch_zero(comm, shapes, grads, init, median_phases, choice)
     elif not choice["torch"]:
         result["torch_zero_skipped"] = f"torch has no {rule_label(args.optimizer)} optimizer"
     return result
 
 
-def overlap_experiment(np, comm, MPI, opt, shapes, args, batch=64) -> dict:
+def overlap_experiment(comm, opt, shapes, args, batch=64) -> dict:
     """How much of the gradient reduction hides behind a backward pass.
 
     The backward is simulated with the matrix products a real one does (dW = dy^T x for a
@@ -207,31 +220,26 @@ def overlap_experiment(np, comm, MPI, opt, shapes, args, batch=64) -> dict:
 
     out = {}
     for overlap in (False, True):
-        backward_s, reduce_s, total_s = [], [], []
-        for i in range(args.warmup + args.steps):
-            comm.Barrier()
+        def iteration():
             t0 = time.perf_counter()
             backward(overlap)
             t1 = time.perf_counter()
             opt.step()
-            t2 = time.perf_counter()
-            if i >= args.warmup:
-                backward_s.append(comm.allreduce(t1 - t0, op=MPI.MAX))
-                reduce_s.append(comm.allreduce(opt.last_step_seconds["reduce"], op=MPI.MAX))
-                total_s.append(comm.allreduce(t2 - t0, op=MPI.MAX))
-        out["overlapped" if overlap else "blocking"] = {
-            "backward": statistics.median(backward_s), "reduce_in_step": statistics.median(
-                reduce_s), "iteration": statistics.median(total_s)}
+            return {"backward": t1 - t0, "reduce_in_step": opt.last_step_seconds["reduce"],
+                    "iteration": time.perf_counter() - t0}
+        out["overlapped" if overlap else "blocking"] = common.median_phases(
+            comm, iteration, args.steps, args.warmup)
     blocking, overlapped = out["blocking"]["reduce_in_step"], out["overlapped"]["reduce_in_step"]
     out["hidden_fraction"] = 1 - overlapped / blocking if blocking > 0 else 0.0
     return out
 
 
-def kernel_throughput(np, comm, MPI, n, dtype, args, choice) -> dict:
+def kernel_throughput(comm, n, dtype, choice, with_torch: bool) -> dict:
     """Elements per second of each kernel of ``choice``'s rule and of its reference (key
-    ``reference``) on a shard of ``n`` elements, every rank at once, and the ceiling it is bound
-    by, in the same conditions: an in-place read-write stream (``a += b``, read a and b, write
-    a) over as many fp32 bytes as the kernel's arrays (gradient, master weights, states)."""
+    ``reference``: torch's where ``with_torch`` and torch has the rule) on a shard of ``n``
+    elements, every rank at once, and the ceiling it is bound by, in the same conditions: an
+    in-place read-write stream (``a += b``, read a and b, write a) over as many fp32 bytes as
+    the kernel's arrays (gradient, master weights, states)."""
     from zero1_mpi.reductions import resolve_cpu_kernel
 
     def best(fn, repeat=5):
@@ -239,10 +247,8 @@ def kernel_throughput(np, comm, MPI, n, dtype, args, choice) -> dict:
         times = []
         for _ in range(repeat):
             comm.Barrier()
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return comm.allreduce(min(times), op=MPI.MAX)
+            times.append(common.clock(fn))
+        return common.slowest(comm, min(times))
 
     def in_place_stream(a, b):  # read a and b, write a: 12 bytes per element of a
         return 3 * a.nbytes / best(lambda: np.add(a, b, out=a)) / 1e9
@@ -261,7 +267,7 @@ def kernel_throughput(np, comm, MPI, n, dtype, args, choice) -> dict:
     s = rule.scalars(STEP, choice["options"], 1.0)
     # read g, read and write p and each state (+ write the 16-bit p)
     bytes_per_element = 4 + 8 * (arrays - 1) + (2 if mixed else 0)
-    reference = choice["torch"][2] if args.torch and choice["torch"] else "zero1_numpy"
+    reference = choice["torch"][2] if with_torch and choice["torch"] else "zero1_numpy"
     out = {"stream_GBps": stream_gbs, "bytes_per_element": bytes_per_element,
            "reference": reference}
     kernels = ["numpy"] + (["numba"] if resolve_cpu_kernel() == "numba" else [])
@@ -271,116 +277,9 @@ def kernel_throughput(np, comm, MPI, n, dtype, args, choice) -> dict:
             rate = n / best(lambda: update(grad_in, master, states, param, s))
             out[f"zero1_{name}{label}"] = {"Gelem_per_s": rate / 1e9,
                                            "GBps": rate * bytes_per_element / 1e9}
-    if args.torch and choice["torch"]:
-        import torch
-        torch.set_num_threads(1)
-        torch_class, torch_options, key = choice["torch"]
-        p = torch.nn.Parameter(torch.ones(n))
-        opt = getattr(torch.optim, torch_class)([p], **choice["options"], **torch_options)
-        if mixed:
-            tdtype = torch.bfloat16 if dtype.name == "bfloat16" else torch.float16
-            g16, p16 = torch.full((n,), 1e-3, dtype=tdtype), torch.ones(n, dtype=tdtype)
-            p.grad = torch.empty(n)
-
-            def torch_step():  # the same job: 16-bit grads in, fp32 update, 16-bit params out
-                p.grad.copy_(g16)
-                opt.step()
-                p16.copy_(p.detach())
-        else:
-            p.grad = torch.full((n,), 1e-3)
-
-            def torch_step():
-                opt.step()
-        rate = n / best(torch_step)
+    if with_torch and choice["torch"]:
+        from .step_torch import torch_kernel
+        _, _, key = choice["torch"]
+        rate = n / best(torch_kernel(n, dtype, choice))
         out[key] = {"Gelem_per_s": rate / 1e9, "GBps": rate * bytes_per_element / 1e9}
     return out
-
-
-def torch_zero(comm, MPI, shapes, grads, init, median_phases, choice) -> dict:
-    import socket
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        port = None
-        if comm.Get_rank() == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = comm.bcast(port)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=comm.Get_rank(), world_size=comm.Get_size())
-    params = [torch.nn.Parameter(torch.tensor(init[k])) for k in shapes]
-    tgrads = [torch.tensor(grads[k]) for k in shapes]
-    torch_class, torch_options, _ = choice["torch"]
-    zero = ZeroRedundancyOptimizer(params, optimizer_class=getattr(torch.optim, torch_class),
-                                   **choice["options"], **torch_options)
-    local = {"seconds": 0.0}
-    inner_step = zero.optim.step
-
-    def timed_inner_step(*a, **k):
-        t = time.perf_counter()
-        out = inner_step(*a, **k)
-        local["seconds"] = time.perf_counter() - t
-        return out
-    zero.optim.step = timed_inner_step
-    world = comm.Get_size()
-
-    def step():
-        for p, g in zip(params, tgrads):
-            p.grad = g.clone()
-        t0 = time.perf_counter()
-        for p in params:  # DDP's gradient averaging
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        t1 = time.perf_counter()
-        zero.step()
-        total = time.perf_counter() - t1
-        return {"reduce": t1 - t0, "optimizer": local["seconds"],
-                "gather": total - local["seconds"]}
-
-    phases = median_phases(step)
-    zero.step()
-    state = sum(t.numel() * t.element_size() for st in zero.optim.state.values()
-                for t in st.values() if torch.is_tensor(t) and t.dim() > 0)
-    psi = sum(p.numel() for p in params)
-    return {**phases, "bytes": comm.allreduce(8 * psi + state, op=MPI.MAX),
-            "state_bytes": comm.allreduce(state, op=MPI.MAX),
-            "state_bytes_min": comm.allreduce(state, op=MPI.MIN)}
-
-
-def rule_label(name: str) -> str:
-    """``Adam``, ``SGD``, ``Lion``, ``LAMB``: the rule ``name``'s optimizer, for tables."""
-    return builtin_rules()[name].optimizer.__name__.removeprefix("Zero")
-
-
-def main(argv=None) -> int:
-    """Measure on this job's ranks; rank 0 prints the result as one JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--optimizer", default="adam", choices=list(builtin_rules()))
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args(argv)
-    args.torch = has_torch()
-    result = worker(args)
-    from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        print(json.dumps(result), flush=True)
-    return 0
-
-
-def has_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-if __name__ == "__main__":
-    sys.exit(main())

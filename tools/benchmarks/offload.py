@@ -1,40 +1,51 @@
-"""Step time and bytes per parameter with and without ``offload="cpu"``, one rank:
+"""Offload: step time and bytes per parameter with and without ``offload="cpu"``, one rank.
 
-    python tools/offload_bench.py [--params 1B] [--backend cupy|numpy] [--rule adam]
-                                  [--steps 3] [--json FILE]
-
-A flat bf16 model of ``--params`` parameters (a few large tensors), AdamW by default. For each
-setting: the median step time (the gradients written before each step, the device synchronized
-after it), the bytes the device holds per parameter as measured (CuPy's memory pool; for NumPy
-parameters the arrays' own bytes) against the report's ``device_bytes``, and the host bytes per
-parameter (the report, and what ``tracemalloc`` saw while building; page-locked buffers come
-from CuPy's pinned pool, which it does not see). Run both settings in one run to compare.
+A flat bf16 model of --params parameters (a few large tensors), AdamW by default (--rule). For
+each setting: the median step time (the gradients written before each step, the device
+synchronized after it), the bytes the device holds per parameter as measured (CuPy's memory
+pool; for NumPy parameters the arrays' own bytes) against the report's ``device_bytes``, and the
+host bytes per parameter (the report, and what ``tracemalloc`` saw while building; page-locked
+buffers come from CuPy's pinned pool, which it does not see). Both settings in one run.
+Example: python tools/bench.py offload --params 1B --backend cupy
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 import tracemalloc
-from pathlib import Path
-
-try:
-    import zero1_mpi  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
-from mpi4py import MPI
 
-from zero1_mpi.backend import xp_for
-from zero1_mpi.memory import parse_param_count
-from zero1_mpi.rules.registry import get
+from . import common
+
+RANKS, TIMEOUT = False, None
+
+
+def options(parser) -> None:
+    common.params(parser, "1B")
+    parser.add_argument("--backend", default="cupy", choices=["cupy", "numpy"])
+    parser.add_argument("--rule", default="adam", help="a rule of zero1_mpi.rules.registry")
+    common.steps(parser, 3)
+
+
+def worker(args) -> dict:
+    from zero1_mpi.backend import xp_for
+
+    try:
+        xp = xp_for(args.backend)
+    except ImportError as exc:
+        raise SystemExit(f"tools/bench.py offload --backend {args.backend}: {exc}; or measure "
+                         "NumPy arrays with --backend numpy") from None
+    return {"rows": [measure(xp, args.params, args.rule, offload, args.steps)
+                     for offload in (None, "cpu")]}
 
 
 def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
     """One optimizer of ``psi`` bf16 parameters: its step time and bytes."""
+    from mpi4py import MPI
+
+    from zero1_mpi.rules.registry import get
+
     parts = 4
     sizes = [psi // parts + (i < psi % parts) for i in range(parts)]
     params = {f"w{i}": xp.full(n, 0.01, np.float32) for i, n in enumerate(sizes)}
@@ -52,6 +63,7 @@ def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
     finally:
         tracemalloc.stop()
     del params
+
     times = []
     for _ in range(steps + 1):
         for name in opt.grads:
@@ -79,18 +91,9 @@ def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="1B")
-    parser.add_argument("--backend", default="cupy", choices=["cupy", "numpy"])
-    parser.add_argument("--rule", default="adam")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    xp = xp_for(args.backend)
-    psi = int(parse_param_count(args.params))
-    rows = [measure(xp, psi, args.rule, offload, args.steps) for offload in (None, "cpu")]
-    print(f"{args.rule}, {psi:,} bf16 parameters, 1 rank, {args.backend}")
+def report(args, results: list[dict]) -> dict:
+    rows = results[0]["rows"]
+    print(f"{args.rule}, {args.params:,} bf16 parameters, 1 rank, {args.backend}")
     print(f"{'offload':8s} {'step ms':>9s} {'device B/param':>15s} {'(report, formula)':>18s} "
           f"{'host B/param':>13s} {'(formula)':>10s}  host kernel")
     for row in rows:
@@ -101,10 +104,4 @@ def main(argv=None) -> int:
               f"{row['kernel']} x {row['threads'] or 1}")
     ratio = rows[1]["step_ms"] / rows[0]["step_ms"]
     print(f"offloaded step / device step: {ratio:.2f}")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "offload_over_device": ratio}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"rows": rows, "offload_over_device": ratio}
