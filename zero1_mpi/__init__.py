@@ -19,7 +19,22 @@ from .rules.lion import ZeroLion
 from .rules.sgd import ZeroSGD
 from .scaler import LossScaler
 
-__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ZeroLAMB", "ShardedOptimizer",
-           "StepInfo", "Rule", "LossScaler", "decay_groups", "MemoryReport", "Communicator",
-           "CollectiveError", "CheckpointError", "Layout", "build_layout"]
+__all__ = [
+    "ZeroAdam",
+    "ZeroAdamW",
+    "ZeroSGD",
+    "ZeroLion",
+    "ZeroLAMB",
+    "ShardedOptimizer",
+    "StepInfo",
+    "Rule",
+    "LossScaler",
+    "decay_groups",
+    "MemoryReport",
+    "Communicator",
+    "CollectiveError",
+    "CheckpointError",
+    "Layout",
+    "build_layout",
+]
 __version__ = "0.1.0"

@@ -28,13 +28,19 @@ def optimizer_class(rule) -> type:
     if isinstance(rule, str):
         if rule.lower() == "adamw":
             from .rules.adam import ZeroAdamW
+
             return ZeroAdamW
         return registry.get(rule.lower()).optimizer
-    if inspect.isclass(rule) and issubclass(rule, ShardedOptimizer) \
-            and rule is not ShardedOptimizer:
+    if (
+        inspect.isclass(rule)
+        and issubclass(rule, ShardedOptimizer)
+        and rule is not ShardedOptimizer
+    ):
         return rule
-    raise TypeError(f"rule must be an optimizer class such as zero1_mpi.ZeroAdamW or a name "
-                    f"({', '.join(map(repr, RULE_NAMES))}), got {rule!r}")
+    raise TypeError(
+        f"rule must be an optimizer class such as zero1_mpi.ZeroAdamW or a name "
+        f"({', '.join(map(repr, RULE_NAMES))}), got {rule!r}"
+    )
 
 
 class PassThrough:
@@ -64,12 +70,15 @@ def _forward(name: str, member):
     @functools.wraps(member)  # the core's name, docstring and (through __wrapped__) signature
     def forward(self, *args, **kwargs):
         return getattr(self.sharded, name)(*args, **kwargs)
+
     return forward
 
 
 #: The core's public interface, by name: its methods and properties.
-CORE_INTERFACE = {name: member for name, member in vars(ShardedOptimizer).items()
-                  if not name.startswith("_") and (callable(member)
-                                                   or isinstance(member, property))}
+CORE_INTERFACE = {
+    name: member
+    for name, member in vars(ShardedOptimizer).items()
+    if not name.startswith("_") and (callable(member) or isinstance(member, property))
+}
 for _name, _member in CORE_INTERFACE.items():
     setattr(PassThrough, _name, _forward(_name, _member))

@@ -235,8 +235,9 @@ class ShardedOptimizer:
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured from the arrays it allocated; with
         ``offload``, split between the device and the host."""
-        return ledger.memory_report(self.state, self.gradients, self._reductions,
-                                    self.persistence, self.backend)
+        return ledger.memory_report(
+            self.state, self.gradients, self._reductions, self.persistence, self.backend
+        )
 
     def close(self) -> None:
         """Release what this optimizer holds (for long runs that build many), its parts in
@@ -272,14 +273,18 @@ class ShardedOptimizer:
 
 
 #: The attributes ``ShardedOptimizer.__getattr__`` finds on its parts.
-_ATTRIBUTES = {"options": frozenset(o.name for o in options.OPTIONS),
-               "topology": frozenset({"shard_rank", "replicas", "shard_comm", "replica_comm"})}
+_ATTRIBUTES = {
+    "options": frozenset(o.name for o in options.OPTIONS),
+    "topology": frozenset({"shard_rank", "replicas", "shard_comm", "replica_comm"}),
+}
 
 
 def _closed_method(owner: str, method: str):
     """What a closed optimizer's ``method`` becomes: a callable raising ``closed_error``."""
+
     def closed(*args, **kwargs):
         raise closed_error(owner, f"{method}()")
+
     return closed
 
 

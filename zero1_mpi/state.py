@@ -52,8 +52,11 @@ class ShardedState:
         self.gathers = ParamGathers(layout, self.flat, topology.shard_comm, watch)
         largest = max(b.shard_size for b in layout.buckets)
         self._allocate(layout.shard_total, largest)
-        self._pieces = [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets] \
-            if rule.tensor_sums else None
+        self._pieces = (
+            [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
+            if rule.tensor_sums
+            else None
+        )
 
     def _allocate(self, n: int, largest: int) -> None:
         """The shard's arrays (fp32 masters for 16-bit parameters; for fp32 ones the
@@ -82,8 +85,10 @@ class ShardedState:
         ``state`` in its shard arrays (``layout.owned(shard_rank)`` lists them): a view by
         name for each of ``rows``. Writing into them changes the state: ``publish()`` after."""
         s = slice(state, state + hi - lo)
-        views = {"master": self.flat[lo:hi] if self.master is None else self.master[s],
-                 **{name: array[s] for name, array in self.state.items()}}
+        views = {
+            "master": self.flat[lo:hi] if self.master is None else self.master[s],
+            **{name: array[s] for name, array in self.state.items()},
+        }
         if self.mixed:
             views["param"] = self.flat[lo:hi]
         return views
@@ -99,20 +104,22 @@ class ShardedState:
         staging = xp.zeros(max(b.size for b in layout.buckets), FP32) if self.mixed else None
         for bucket in layout.buckets:
             span = slice(bucket.offset, bucket.offset + bucket.size)
-            target = staging[:bucket.size] if self.mixed else self.flat[span]
-            target[bucket.used:] = 0  # the padding (the reused staging held the last bucket)
+            target = staging[: bucket.size] if self.mixed else self.flat[span]
+            target[bucket.used :] = 0  # the padding (the reused staging held the last bucket)
             if comm.rank == 0:
                 for t, lo, hi in layout.pieces(bucket.offset, bucket.offset + bucket.size):
                     values = xp.asarray(arrays[t.name]).reshape(-1)
-                    target[lo - bucket.offset:hi - bucket.offset] = values[lo - t.offset:
-                                                                           hi - t.offset]
+                    target[lo - bucket.offset : hi - bucket.offset] = values[
+                        lo - t.offset : hi - t.offset
+                    ]
             comm.bcast(target)
             if self.mixed:
                 self.flat[span] = target.astype(self.dtype)
             if self.master is not None:
                 lo, hi = bucket.shard(self.shard_rank)
                 self.master[bucket.state] = backend.like(
-                    self.master, target[lo - bucket.offset:hi - bucket.offset])
+                    self.master, target[lo - bucket.offset : hi - bucket.offset]
+                )
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -173,8 +180,8 @@ class ShardedState:
         st = slice(bucket.state.start + a, bucket.state.start + b)
         states = [state[st] for state in self.state.values()]
         if self.mixed:
-            return self.master[st], states, self.flat[lo + a:lo + b]
-        return self.flat[lo + a:lo + b], states, None
+            return self.master[st], states, self.flat[lo + a : lo + b]
+        return self.flat[lo + a : lo + b], states, None
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -211,8 +218,11 @@ class ShardedState:
             self.watch.arm(step, "update")
             totals = self.topology.shard_comm.allreduce_sum(totals)
             self.watch.disarm()
-        return {index: self.rule.tensor_scalars(scalars[group], totals[index])
-                for pieces in self._pieces for index, group, _, _ in pieces}
+        return {
+            index: self.rule.tensor_scalars(scalars[group], totals[index])
+            for pieces in self._pieces
+            for index, group, _, _ in pieces
+        }
 
 
 class HostState(ShardedState):
@@ -223,19 +233,20 @@ class HostState(ShardedState):
 
     on_host = True
 
-    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, *,
-                 threads: int):
+    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, *, threads: int):
         self._threads = threads
         super().__init__(layout, topology, rule, dtype, xp, watch, before_read)
 
     def _allocate(self, n: int, largest: int) -> None:
         self.kernel_kind = resolve_cpu_kernel()
         #: The host arrays and the copies between them and the device (``offload.HostShard``).
-        self.copies = HostShard(self.layout, self.shard_rank, self.flat, self.rule.state_names,
-                                self.mixed)
+        self.copies = HostShard(
+            self.layout, self.shard_rank, self.flat, self.rule.state_names, self.mixed
+        )
         self.master, self.state = self.copies.master, self.copies.state
-        self.kernel = ThreadedKernel(lambda: self.rule.kernel(self.kernel_kind, largest),
-                                     self._threads)
+        self.kernel = ThreadedKernel(
+            lambda: self.rule.kernel(self.kernel_kind, largest), self._threads
+        )
 
     def publish(self) -> None:
         self.gathers.wait()  # they write the buffer the masters are copied into
@@ -261,13 +272,24 @@ class HostState(ShardedState):
         sends (fp32: the host master itself is sent)."""
         st = slice(bucket.state.start + a, bucket.state.start + b)
         params16 = self.copies.params16
-        return (self.master[st], [state[st] for state in self.state.values()],
-                None if params16 is None else params16[st])
+        return (
+            self.master[st],
+            [state[st] for state in self.state.values()],
+            None if params16 is None else params16[st],
+        )
 
 
 def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> ShardedState:
     """The sharded state of the checked ``options`` (``options.EngineOptions``)."""
     if options.offload is not None:
-        return HostState(layout, topology, rule, options.param_dtype, xp, watch, before_read,
-                         threads=options.offload_threads)
+        return HostState(
+            layout,
+            topology,
+            rule,
+            options.param_dtype,
+            xp,
+            watch,
+            before_read,
+            threads=options.offload_threads,
+        )
     return ShardedState(layout, topology, rule, options.param_dtype, xp, watch, before_read)
