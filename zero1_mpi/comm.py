@@ -105,7 +105,7 @@ def query_cuda_support() -> bool | None:
         return None
     for path in paths:
         try:
-            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+            query = ctypes.CDLL(path).MPIX_Query_cuda_support
         except (OSError, AttributeError):
             continue
         query.restype = ctypes.c_int

@@ -17,8 +17,8 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
-from .comm import Communicator
 from .binding import PassThrough, optimizer_class
+from .comm import Communicator
 from .engine import ShardedOptimizer, StepInfo
 
 try:
@@ -201,7 +201,7 @@ class ZeroOptimizer(PassThrough):
             return
         if hosts is None:
             return
-        for name, view, host in zip(self._names, self._grad_views, hosts):
+        for _name, view, host in zip(self._names, self._grad_views, hosts):
             if self._accumulated:
                 view += host
             else:

@@ -75,7 +75,7 @@ def launcher(environ=None) -> list[str]:
     return argv
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flavor(*argv: str) -> str:
     """``"Open MPI"``, ``"MPICH"``, ``"Intel MPI"``, ``"Slurm"`` or ``"unknown"``, from
     ``argv --version``."""

@@ -13,6 +13,7 @@ one quantum and the communication scratch is bounded by the bucket size.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -205,5 +206,5 @@ def build_layout(
         first += count
         bounds.append(tensors[first].offset if first < len(tensors) else offset)
     bounds.append(total)  # the padding belongs to the last group
-    groups = tuple(zip(bounds[:-1], bounds[1:]))
+    groups = tuple(itertools.pairwise(bounds))
     return Layout(tuple(tensors), buckets, group_size, align, dtype, groups)

@@ -29,7 +29,7 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         "gradients": (owned if gradients.sharded else psi) * grads.dtype.itemsize,
         "master_weights": 0 if state.master is None else owned * FP32_BYTES,
     }
-    state_bytes = {name: owned * FP32_BYTES for name in state.state}
+    state_bytes = dict.fromkeys(state.state, owned * FP32_BYTES)
     sharded = [a for a in (state.master, *state.state.values()) if a is not None]
     sharded_real = real["master_weights"] + sum(state_bytes.values())
     held = sum(a.nbytes for a in sharded)

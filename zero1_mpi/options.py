@@ -16,8 +16,9 @@ import difflib
 import inspect
 import math
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

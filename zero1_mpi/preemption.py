@@ -106,7 +106,7 @@ class SignalCheckpoint:
     def active(self) -> bool:
         return bool(self._previous)
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+    def _handle(self, signum, frame) -> None:  # frame unused: the signal module's signature
         self.received.append(signal.Signals(signum))  # only this: step() does the rest
 
     def poll(self) -> int:
@@ -125,7 +125,7 @@ class SignalCheckpoint:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
-    def __enter__(self) -> "SignalCheckpoint":
+    def __enter__(self) -> SignalCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:

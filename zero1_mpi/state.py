@@ -2,13 +2,13 @@
 master weights and the rule's state, with the kernel that updates them.
 
 ``ShardedState`` keeps the shard with the parameters (the device, or the host for NumPy);
-``HostState`` (``offload="cpu"``) keeps it on the host, updated there with ``offload``'s copies
-and threaded kernel; ``sharded_state`` builds the one the options ask for. Their interface is
-all the rest of the package sees: ``params`` (views by name), ``rows`` and ``views(lo, hi, state)`` (what
+``HostState`` (``offload="cpu"``) keeps it on the host, updated there with ``offload``'s copies and
+threaded kernel; ``sharded_state`` builds the one the options ask for. Their interface is all the
+rest of the package sees: ``params`` (views by name), ``rows`` and ``views(lo, hi, state)`` (what
 checkpoints and exports read and write, then ``publish()``), ``seed(arrays)`` (rank 0's initial
 values), ``update(reduced, scalars, step)`` (the rule's kernel over the shard, each bucket's
-all-gather started as its new shard lands in the parameter buffer) and ``wait()`` for those
-gathers. It knows no rule's math. Methods that start or complete collectives: all ranks.
+all-gather started as its new shard lands in the parameter buffer) and ``wait()`` for those gathers.
+It knows no rule's math. Methods that start or complete collectives: all ranks.
 """
 
 from __future__ import annotations
