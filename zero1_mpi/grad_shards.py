@@ -202,7 +202,8 @@ class GradientShards:
         with self._world.abort_on_error("in zero_grad() while completing reductions"):
             while self._in_flight:
                 request = self._in_flight.popleft()[2]
-                request.wait()
+                if request is not None:  # None: a shard group of one rank reduces nothing
+                    request.wait()
         self.shard.fill(0)
         self._new_step()
 
