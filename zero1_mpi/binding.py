@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import TYPE_CHECKING, Literal
 
 from .engine import ShardedOptimizer
 from .rules import registry
@@ -53,11 +54,17 @@ class PassThrough:
 
     sharded: ShardedOptimizer
 
+    if TYPE_CHECKING:  # for type checkers: two of the members generated below (CORE_INTERFACE)
+
+        def close(self) -> None: ...
+
+        def wait(self) -> None: ...
+
     def __enter__(self):
         self.sharded.__enter__()
         return self
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, *exc_info) -> Literal[False]:
         self.close()
         return False
 

@@ -13,12 +13,17 @@ collectives must be called on all ranks, with the same arguments.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import backend
 from .views import Views
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .comm import Request
 
 __all__ = ["BucketPipeline"]
 
@@ -51,7 +56,7 @@ class BucketPipeline:
         self.layout, self.watch = layout, watch
         #: The flat gradient buffer; ``grads``: its views by name (what the model writes).
         self.buffer = grads = backend.zeros(xp, layout.total, dtype)
-        self.grads = Views(layout, grads)
+        self.grads: Mapping = Views(layout, grads)
         self._grads = grads
         self._comm, self._replica_comm = topology.comm, topology.replica_comm
         self._shard_comm = topology.shard_comm
@@ -59,7 +64,7 @@ class BucketPipeline:
         # 16-bit exchanges land in receive slots; two let one bucket's sum run while the next
         # bucket's exchange is in flight.
         slots = min(2, len(layout.buckets)) if exchange_16bit else 0
-        self._received = (
+        self._received: Any = (
             xp.empty((slots, max(b.size for b in layout.buckets)), dtype) if slots else None
         )
         self._tensor_buckets = {
@@ -177,14 +182,19 @@ class BucketPipeline:
 
     def _new_round(self) -> None:
         """No tensor ready, no bucket started."""
-        self._ready = set()
+        self._ready: set[str] = set()
         self._waiting = list(self._bucket_tensors)
         self._next_start = len(self.layout.buckets) - 1
-        self._started_order = []
-        self._in_flight = {}  # bucket index -> (request, receive slot or None)
-        self._reduced = {}  # bucket index -> this rank's summed shard, once finished
-        self._across = {}  # bucket index -> its sum across the shard groups, in flight
-        self._slot_owner = [None] * (0 if self._received is None else len(self._received))
+        self._started_order: list[int] = []
+        # bucket index -> (request, receive slot or None)
+        self._in_flight: dict[int, tuple[Request, int | None]] = {}
+        # bucket index -> this rank's summed shard, once finished
+        self._reduced: dict[int, Any] = {}
+        # bucket index -> its sum across the shard groups, in flight
+        self._across: dict[int, Request] = {}
+        self._slot_owner: list[int | None] = [None] * (
+            0 if self._received is None else len(self._received)
+        )
 
     def _start_reduction(self, index: int) -> None:
         """Start summing bucket ``index``'s gradients over the group (in place, see below)."""
@@ -199,8 +209,9 @@ class BucketPipeline:
             self._in_flight[index] = (self._shard_comm.start_reduce_scatter(grads), None)
         else:
             slot = index % len(self._received)
-            if self._slot_owner[slot] is not None:
-                self._finish_reduction(self._slot_owner[slot])
+            owner = self._slot_owner[slot]
+            if owner is not None:
+                self._finish_reduction(owner)
             self._slot_owner[slot] = index
             received = self._received[slot, : bucket.size]
             self._in_flight[index] = (self._shard_comm.start_alltoall(grads, received), slot)

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -129,8 +130,9 @@ class PendingSave:
         self._comm, self._state, self.root, self._tmp = comm, state, root, tmp
         self._keep, self.step = keep, manifest["step"]
         self._manifest = manifest  # what the snapshot is of, taken with it
-        self._info = self._write_error = None
-        self._thread = None
+        self._info: dict | None = None
+        self._write_error: CheckpointError | None = None
+        self._thread: threading.Thread | None = None
         self.path: Path | None = None
         self.error: CheckpointError | None = None
         self.done = False
@@ -183,7 +185,7 @@ class PendingSave:
         self.finish()
         if self.error is not None:
             raise self.error
-        return self.path
+        return cast(Path, self.path)  # finish() sets it unless it sets the error
 
 
 def start_save(comm, state, counters, path, keep: int | None, snapshot) -> PendingSave:
@@ -472,7 +474,7 @@ def load(comm, state, counters, path) -> Path:
     """Load the checkpoint at ``path`` (a root with ``LATEST``, or one checkpoint directory)
     into ``state`` and ``counters``, whatever world size saved it; return the checkpoint
     directory."""
-    error = reads = manifest = ckpt = saved = None
+    error = None  # the try binds ckpt, reads and saved, or agree() raises on every rank
     try:
         ckpt, latest_digest = resolve(Path(path))
         manifest = read_manifest(ckpt, latest_digest)
@@ -541,6 +543,7 @@ def resolve(path: Path) -> tuple[Path, str | None]:
             f"{LATEST} (pass the directory given to save())"
         )
     data = latest.read_bytes()
+    text: str | bytes
     try:
         text = data.decode("ascii")
     except UnicodeDecodeError:

@@ -24,10 +24,14 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import backend
+
+if TYPE_CHECKING:  # not at run time: importing mpi4py.MPI starts MPI (see _LazyMPI)
+    from mpi4py.MPI import Prequest
 
 __all__ = [
     "Communicator",
@@ -303,7 +307,7 @@ class Communicator:
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
         self.stage_host = stage_host
         self._staging: dict[str, np.ndarray] = {}
-        self._persistent: dict[tuple, object] = {}  # key -> an MPI persistent request
+        self._persistent: dict[tuple, Prequest] = {}  # key -> an MPI persistent request
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
         #: Whether started collectives are MPI-4 persistent ones (else nonblocking), and why.
         self.persistent, self.persistent_source = False, "unresolved"
@@ -338,11 +342,12 @@ class Communicator:
     def agree(self, error: Exception | str | None) -> None:
         """Raise on every rank if any rank passes an error (an exception, or a message for a
         ValueError): the first failing rank's exception type and message, naming that rank."""
+        told: tuple[str, str, str] | None = None
         if isinstance(error, BaseException):
-            error = (type(error).__module__, type(error).__qualname__, str(error))
+            told = (type(error).__module__, type(error).__qualname__, str(error))
         elif error is not None:
-            error = ("builtins", "ValueError", str(error))
-        failed = [(rank, e) for rank, e in enumerate(self._comm.allgather(error)) if e is not None]
+            told = ("builtins", "ValueError", str(error))
+        failed = [(rank, e) for rank, e in enumerate(self._comm.allgather(told)) if e is not None]
         if failed:
             rank, (module, name, message) = failed[0]
             where = f"rank {rank}" + (" (this rank)" if rank == self.rank else "")
@@ -395,7 +400,9 @@ class Communicator:
             if outcomes.iprobe(source=MPI.ANY_SOURCE, tag=0):
                 rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
                 if error is not None:
-                    raise _exception(*error[:2], f"{error[2]} [{what} failed on rank {rank}]")
+                    raise _exception(
+                        error[0], error[1], f"{error[2]} [{what} failed on rank {rank}]"
+                    )
                 heard += 1
             elif not worker.is_alive():
                 break
@@ -410,14 +417,14 @@ class Communicator:
         for peer in range(self.size):
             if peer != self.rank:
                 outcomes.isend((self.rank, told), dest=peer, tag=0)
-        if error is not None:
+        if told is not None:  # as error is not None
             raise _exception(
-                *told[:2], f"{told[2]} [{what} failed on rank {self.rank} (this rank)]"
+                told[0], told[1], f"{told[2]} [{what} failed on rank {self.rank} (this rank)]"
             ) from error
         while heard < self.size - 1:  # every other rank's outcome: a failure raises here
             rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
             if error is not None:
-                raise _exception(*error[:2], f"{error[2]} [{what} failed on rank {rank}]")
+                raise _exception(error[0], error[1], f"{error[2]} [{what} failed on rank {rank}]")
             heard += 1
         outcomes.Free()
         return result.get("value")
@@ -710,7 +717,7 @@ class _Staged:
         self.copy_out = copy_out
 
     def __enter__(self):
-        if not self.staged:
+        if self.host is None:  # not staged
             backend.synchronize(self.buf)  # MPI reads device memory: the writes must be done
             return self.buf
         if self.copy_in:
@@ -718,7 +725,7 @@ class _Staged:
         return self.host
 
     def __exit__(self, exc_type, exc, tb):
-        if self.staged and self.copy_out and exc_type is None:
+        if self.host is not None and self.copy_out and exc_type is None:  # staged
             backend.copy_from_host(self.host, self.buf)
         return False
 

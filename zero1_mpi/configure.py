@@ -44,7 +44,7 @@ def configure(params, comm, rule, defaults: dict, given: dict) -> Setup:
     if owns_comm:
         comm = Communicator(comm, cuda_aware=given.get("cuda_aware"))
     node = comm.node_ranks()
-    error = options = settings = groups = arrays = backend = layout = None
+    error = None  # the try binds the rest, or agree() raises on every rank
     try:
         if missing_members(rule):
             raise TypeError(

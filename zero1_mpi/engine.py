@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import signal
 import weakref
+from typing import Any, Literal, Protocol
 
 from . import backend, ledger, options
 from .configure import configure
@@ -63,7 +64,7 @@ class ShardedOptimizer:
         self.persistence = Persistence(self.comm, state, counters, self.wait, watch)
         self._steps = StepPipeline(rule, state, grads, self.persistence, counters, reductions)
         #: Closed in reverse order by ``close()``.
-        self._parts = [topology, watch, state, grads, self.persistence]
+        self._parts: list[_Part] = [topology, watch, state, grads, self.persistence]
         self.params, self.grads = state.params, grads.grads
         weakref.finalize(self, watch.close)
 
@@ -257,19 +258,26 @@ class ShardedOptimizer:
             if not method.startswith("_") and method != "close":
                 setattr(self, method, _closed_method(name, method))  # shadows the method
         self.params = self.grads = Closed(name)
-        self.state = self.gradients = self.persistence = self._steps = self._parts = None
+        dropped: Any = None  # no method reads them once closed (each raises instead)
+        self.state = self.gradients = self.persistence = self._steps = self._parts = dropped
 
     def __enter__(self):
         if self.closed:
             _closed_method(type(self).__name__, "__enter__")()
         return self
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, *exc_info) -> Literal[False]:
         self.close()
         return False
 
     def __repr__(self) -> str:
         return options.describe(self)
+
+
+class _Part(Protocol):
+    """What the engine asks of each of its parts at the end."""
+
+    def close(self) -> None: ...
 
 
 #: The attributes ``ShardedOptimizer.__getattr__`` finds on its parts.

@@ -17,6 +17,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import numpy as np
 
@@ -41,7 +42,8 @@ def save_consolidated(comm, state, counters, path) -> Path:
     """Write the full fp32 state of ``state`` (and ``counters``) to the single file ``path``."""
     file = Path(path)
     tmp = file.with_name(f".{file.name}.tmp-{comm.bcast_object(time.time_ns())}")
-    out = error = None
+    out: BinaryIO | None = None
+    error = None
     if comm.rank == 0:
         try:
             header = _header(state, counters)
@@ -51,6 +53,7 @@ def save_consolidated(comm, state, counters, path) -> Path:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = CheckpointError(f"cannot write {file}: {exc}")
     comm.agree(error)
+    out = cast(BinaryIO, out)  # opened on rank 0, the only rank that uses it
 
     with comm.abort_on_error(f"while writing {file}"):
         received = np.empty(CHUNK, np.float32) if comm.rank == 0 else None
@@ -66,8 +69,9 @@ def save_consolidated(comm, state, counters, path) -> Path:
                         else:
                             comm.send(data, dest=0)
                     elif comm.rank == 0:
-                        comm.recv(received[: stop - start], source=owner)
-                        out.write(received[: stop - start].data)
+                        piece = cast(np.ndarray, received)[: stop - start]  # rank 0's
+                        comm.recv(piece, source=owner)
+                        out.write(piece.data)
 
     error = None
     if comm.rank == 0:
@@ -86,7 +90,7 @@ def load_consolidated(comm, state, counters, path) -> Path:
     """Load a file written by ``save_consolidated`` (at any world size) into ``state`` and
     ``counters``."""
     file = Path(path)
-    error = entries = data_start = saved = None
+    error = None  # the try binds entries, data_start and saved, or agree() raises on every rank
     try:
         entries, data_start, metadata = _read_header(state, file)
         saved = read_counters(
@@ -116,7 +120,7 @@ def load_consolidated(comm, state, counters, path) -> Path:
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
                         chunk = buffer[: stop - start]
-                        if f.readinto(chunk.view(np.uint8)) != chunk.nbytes:
+                        if f.readinto(chunk.view(np.uint8).data) != chunk.nbytes:
                             raise CheckpointError(f"{file} ended early")
                         views[kind][...] = backend.like(views[kind], chunk)
                     if "param" in views:  # the 16-bit parameters are the rounded masters

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from . import backend
 from .views import NoFullGradients
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .comm import Request
+    from .layout import Bucket
 
 __all__ = ["GradientShards"]
 
@@ -45,7 +51,18 @@ class GradientShards:
     """
 
     #: No rank holds the full gradient to view: this rank's gradient shard.
-    grads, sharded = NoFullGradients(), True
+    grads: Mapping = NoFullGradients()
+    sharded = True
+    # Set by _new_step, for each step:
+    problem: str | None
+    order_digest: int
+    _filled: list[set[str]]
+    _handed: list[set[str]]
+    _slot_of: list[int | None]
+    _reduced: list[int]
+    _free: deque[int]
+    _in_flight: deque[tuple[int, int, Request | None]]
+    _waiting: deque[int]
 
     def __init__(
         self,
@@ -68,11 +85,11 @@ class GradientShards:
         largest = max(b.size for b in layout.buckets)
         count = max(1, min(slots, len(layout.buckets)))
         self._slots = xp.zeros((count, largest), param_dtype)
-        self._received = xp.empty((count, largest), param_dtype) if exchange_16bit else None
+        self._received: Any = xp.empty((count, largest), param_dtype) if exchange_16bit else None
         # fp32 sums of a bucket's shard: the exchange's sum, or a 16-bit shard's sum across
         # replicas (MPI has no bfloat16 sum)
         needs_scratch = exchange_16bit or (self._replica_comm is not None and shard_dtype != FP32)
-        self._scratch = (
+        self._scratch: Any = (
             xp.empty(max(b.shard_size for b in layout.buckets), FP32) if needs_scratch else None
         )
         self._tensors = {t.name: t for t in layout.tensors}
@@ -80,7 +97,8 @@ class GradientShards:
             [t.name for t, _, _ in layout.pieces(b.offset, b.offset + b.used)]
             for b in layout.buckets
         ]
-        self._tensor_buckets = {t.name: [] for t in layout.tensors}  # (an empty tensor: none)
+        # (an empty tensor: none)
+        self._tensor_buckets: dict[str, list[Bucket]] = {t.name: [] for t in layout.tensors}
         for bucket, names in zip(layout.buckets, self._bucket_tensors):
             for name in names:
                 self._tensor_buckets[name].append(bucket)
@@ -258,7 +276,8 @@ class GradientShards:
 
     def _start(self, index: int) -> None:
         """Start reducing bucket ``index``'s slot over the shard group."""
-        bucket, slot = self.layout.buckets[index], self._slot_of[index]
+        bucket = self.layout.buckets[index]
+        slot = cast(int, self._slot_of[index])  # a bucket started holds a slot (_slot_for)
         self._waiting.remove(index)
         self._slot_of[index] = None
         self.order_digest = (

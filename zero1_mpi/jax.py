@@ -13,7 +13,7 @@ captured array is a constant). Imports JAX, which ``import zero1_mpi`` does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from .binding import PassThrough, optimizer_class
 from .comm import Communicator
 from .engine import ShardedOptimizer, StepInfo
 
+_JAX_MISSING: ImportError | None
 try:
     import jax
 except ImportError as exc:  # the module still imports (tools, docs); ZeroOptimizer needs JAX
@@ -83,7 +84,7 @@ class ZeroOptimizer(PassThrough):
         _require_jax()
         if not isinstance(comm, Communicator):
             comm = Communicator(comm, cuda_aware=options.pop("cuda_aware", None))
-        error = core_params = cls = None
+        error = None  # the try binds core_params and cls, or agree() raises on every rank
         try:  # checked on every rank before the core's own checks and collectives
             leaves, self._treedef = jax.tree_util.tree_flatten(params)
             self._names = leaf_names(params)
@@ -262,8 +263,12 @@ def _path_name(path) -> str:
 
 
 def _first_duplicate(names: list[str]) -> str:
-    seen = set()
-    return next(n for n in names if n in seen or seen.add(n))
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    raise ValueError("no two names are the same")  # (called only when two are)
 
 
 def _pointer(array) -> int | None:
@@ -303,7 +308,8 @@ def _grouped(arrays: dict, groups, itemsize: int):
             f"groups must be a list of {{'params': selector, <options>}} dicts, got "
             f"{type(groups).__name__}"
         )
-    chosen, rest = [{} for _ in groups], {}
+    chosen: list[dict] = [{} for _ in groups]
+    rest: dict = {}
     for index, group in enumerate(groups):
         if not isinstance(group, Mapping) or "params" not in group:
             raise TypeError(
@@ -311,7 +317,9 @@ def _grouped(arrays: dict, groups, itemsize: int):
                 "function (name, leaf) -> bool or a collection of names)"
             )
         selector = group["params"]
-        if isinstance(selector, str) or not isinstance(selector, (Callable, Collection)):
+        if isinstance(selector, str) or not (
+            callable(selector) or isinstance(selector, Collection)
+        ):
             raise TypeError(
                 f"groups[{index}]['params'] must be a function (name, leaf) -> bool "
                 f"or a collection of leaf names, got {selector!r}"

@@ -73,7 +73,7 @@ def table_options(
     """``format_table``'s keywords for a rule: ``k`` and a ``label`` naming the class, K and
     stage 1's formula (none for Adam on 16-bit params: the reference chapter's title)."""
     k = _k(rule, param_dtype, momentum)
-    options = {"k": k}
+    options: dict[str, object] = {"k": k}
     if param_dtype != "float16":
         options["param_dtype"] = param_dtype
     if offload:

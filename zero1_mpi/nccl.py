@@ -203,7 +203,7 @@ def _ptr(buf) -> int:
 def shared_gpu_error(devices: list) -> RuntimeError | None:
     """The error for the first GPU that two ranks would share, from each rank's ``(host, PCI
     bus id)`` in rank order; None when every rank has a GPU of its own."""
-    first = {}
+    first: dict[tuple, int] = {}  # (host, bus) -> the first rank on it
     for rank, device in enumerate(devices):
         if device in first:
             host, bus = device

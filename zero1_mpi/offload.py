@@ -15,6 +15,7 @@ import functools
 import os
 import weakref
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class ThreadedKernel:
 
     def _split(self, n: int, work) -> None:
         parts = min(self.threads, max(1, n // self.MIN_ELEMENTS))
-        if parts == 1:
+        if parts == 1 or self._pool is None:  # (parts > 1: threads > 1, which have a pool)
             work(self._kernels[0], slice(0, n))
             return
         bounds = [n * i // parts for i in range(parts + 1)]
@@ -168,7 +169,7 @@ class HostShard:
         self._slots = [
             backend.pinned_empty(largest * FP32.itemsize, self._device) for _ in range(2)
         ]
-        self._pushed = deque()  # (bucket index, event or None), oldest first
+        self._pushed: deque[tuple[int, Any]] = deque()  # (bucket, event or None), oldest first
         if self._device:
             cupy = backend.xp_for("cupy")
             self._to_host = cupy.cuda.Stream(non_blocking=True)

@@ -18,7 +18,7 @@ import math
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -318,6 +318,10 @@ class EngineOptions:
 
     def __init__(self, values: dict):
         self.__dict__.update(values)
+
+    if TYPE_CHECKING:  # for type checkers: the attributes are OPTIONS' names, declared there
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def agreed(self) -> dict:
         """The values every rank must share, as plain values (compared across ranks)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import replace
+from typing import cast
 
 import numpy as np
 
@@ -129,8 +130,9 @@ class Persistence:
         pending = self._pending
         if pending is not None and pending.error is not None:  # printed when it failed: it
             self._pending = None  # must not stop this checkpoint, the job is about to end
-        where = self.save(self._on_signal.path, self._on_signal.keep)
-        self._on_signal.answered(self._asked)
+        on_signal = cast(preemption.SignalCheckpoint, self._on_signal)  # what polls signals
+        where = self.save(on_signal.path, on_signal.keep)
+        on_signal.answered(self._asked)
         return replace(info, stop=True, checkpoint=where)
 
     def close(self) -> None:

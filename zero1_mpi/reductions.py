@@ -157,7 +157,7 @@ class CupyReductions:
     """The CuPy twin: a ``ReductionKernel`` for the sum of squares, CuPy adds for the blocks."""
 
     scratch_bytes = 0
-    _kernel = None
+    _kernel: backend.ExplainedKernel | None = None
 
     def sum_of_squares(self, x):
         if CupyReductions._kernel is None:

@@ -69,7 +69,8 @@ class Rule(Protocol):
     options: tuple[str, ...]
     tensor_sums: int = 0
 
-    def check_options(self, **values) -> dict:
+    # Called with the options as keywords; (*args: Any, **values: Any) lets a rule name them.
+    def check_options(self, *args: Any, **values: Any) -> dict:
         """Return the options normalized (floats, tuples), or raise ValueError/TypeError
         naming the bad value and the fix."""
         ...
@@ -91,9 +92,11 @@ class Rule(Protocol):
     def tensor_scalars(self, scalars, totals) -> Any:
         """Return one tensor's scalars from its group's ``scalars`` and its ``tensor_sums``
         totals over ranks (two-phase rules only)."""
-        raise NotImplementedError(
+        # (two statements: a protocol member whose body only raises is abstract to mypy)
+        message = (
             f"the {self.name!r} rule has tensor_sums = {self.tensor_sums} and no tensor_scalars"
         )
+        raise NotImplementedError(message)
 
     @classmethod
     def variants(cls) -> tuple[Rule, ...]:

@@ -14,6 +14,8 @@ It knows no rule's math. Methods that start or complete collectives: all ranks.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,11 +50,11 @@ class ShardedState:
         self.mixed = dtype != FP32
         #: The flat parameter buffer (every rank's full copy); ``params``: its views by name.
         self.flat = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
-        self.params = Views(layout, self.flat, before_read)
+        self.params: Mapping = Views(layout, self.flat, before_read)
         self.gathers = ParamGathers(layout, self.flat, topology.shard_comm, watch)
         largest = max(b.shard_size for b in layout.buckets)
         self._allocate(layout.shard_total, largest)
-        self._pieces = (
+        self._pieces: list[list[tuple[int, int, int, int]]] | None = (
             [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
             if rule.tensor_sums
             else None
@@ -63,7 +65,7 @@ class ShardedState:
         parameter buffer's own range is the master) and the kernel."""
         xp = self._xp
         self.kernel_kind = "cupy" if xp is not np else resolve_cpu_kernel()
-        self.master = xp.zeros(n, FP32) if self.mixed else None
+        self.master: Any = xp.zeros(n, FP32) if self.mixed else None
         self.state = {name: xp.zeros(n, FP32) for name in self.rule.state_names}
         self.kernel = self.rule.kernel(self.kernel_kind, largest)
 
@@ -104,7 +106,7 @@ class ShardedState:
         staging = xp.zeros(max(b.size for b in layout.buckets), FP32) if self.mixed else None
         for bucket in layout.buckets:
             span = slice(bucket.offset, bucket.offset + bucket.size)
-            target = staging[: bucket.size] if self.mixed else self.flat[span]
+            target = self.flat[span] if staging is None else staging[: bucket.size]
             target[bucket.used :] = 0  # the padding (the reused staging held the last bucket)
             if comm.rank == 0:
                 for t, lo, hi in layout.pieces(bucket.offset, bucket.offset + bucket.size):
@@ -129,14 +131,16 @@ class ShardedState:
         bucket's all-gather as its new shard lands. Returns the seconds spent updating and
         starting gathers. A two-phase rule first sums over each tensor (one Allreduce)."""
         clock, update = time.perf_counter, 0.0
+        shards: list | None = reduced  # None: a second phase reads no gradients
+        kernel_scalars: list | dict = scalars  # a two-phase rule's: by tensor
         if self.rule.tensor_sums:
             t0 = clock()
-            scalars = self._per_tensor_scalars(self._inputs(reduced), scalars, step)
-            update, reduced = clock() - t0, None
+            kernel_scalars = self._per_tensor_scalars(self._inputs(reduced), scalars, step)
+            update, shards = clock() - t0, None
         gather, t0 = 0.0, clock()  # (offloaded, the wait for a gradient's copy is update's)
-        for bucket, grads in self._inputs(reduced):
+        for bucket, grads in self._inputs(shards):
             self.watch.bucket = bucket.index
-            self._update_bucket(bucket, grads, scalars)
+            self._update_bucket(bucket, grads, kernel_scalars)
             t1 = clock()
             for index in self._landed(bucket):
                 self.gathers.start(index)
@@ -188,7 +192,7 @@ class ShardedState:
     def _update_bucket(self, bucket, grads, scalars) -> None:
         """Update this rank's shard of ``bucket``: per param group, or per tensor piece."""
         if self.rule.tensor_sums:
-            for index, _, a, b in self._pieces[bucket.index]:
+            for index, _, a, b in cast(list, self._pieces)[bucket.index]:  # two-phase: a list
                 master, states, param = self._arrays(bucket, a, b)
                 self.kernel.apply(master, *states, param, scalars[index])
             return
@@ -205,8 +209,9 @@ class ShardedState:
         one ``Allreduce``; returns the scalars (``rule.tensor_scalars``) of each tensor this
         rank owns a piece of, by tensor index. ``shards``: as ``_inputs`` gives them."""
         xp = np if self.on_host else self._xp
+        all_pieces = cast(list, self._pieces)  # a two-phase rule's
         sums = xp.zeros((len(self.layout.tensors), self.rule.tensor_sums), np.float64)
-        for (bucket, grads), pieces in zip(shards, self._pieces):
+        for (bucket, grads), pieces in zip(shards, all_pieces):
             calls = []
             for _, group, a, b in pieces:
                 master, states, _ = self._arrays(bucket, a, b)
@@ -220,7 +225,7 @@ class ShardedState:
             self.watch.disarm()
         return {
             index: self.rule.tensor_scalars(scalars[group], totals[index])
-            for pieces in self._pieces
+            for pieces in all_pieces
             for index, group, _, _ in pieces
         }
 

@@ -15,11 +15,13 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from .binding import PassThrough, optimizer_class
+from .engine import ShardedOptimizer
 
 __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
 
@@ -128,7 +130,8 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         #: Stage 2 (``shard_gradients=True``): each ``.grad`` is handed over and dropped.
         self.sharded_gradients = sharded.grad_shard_dtype is not None
         self._end_queued = False  # the end-of-backward callback (stage 2)
-        self._binding = {}  # name -> (parameter, its data pointer, its .grad view, pointer)
+        # name -> (parameter, its data pointer, its .grad view, pointer)
+        self._binding: dict[str, tuple[Any, int, Any, Any]] = {}
         for name, p in named.items():  # from here on the model reads and writes the buffers
             p.data = as_tensor(sharded.params[name])
             grad = None if self.sharded_gradients else as_tensor(sharded.grads[name])
@@ -145,7 +148,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
                         lambda p, name=name: _call(ref, method, name)
                     )
                 )
-        if overlap:
+        if overlap and module is not None:  # (overlap without a module raised above)
             self._hooks.append(module.register_forward_pre_hook(lambda *_: _call(ref, "wait")))
             if hasattr(module, "register_state_dict_pre_hook"):
                 self._hooks.append(
@@ -244,15 +247,17 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             p.data = p.data.clone()
             p.grad = None
             delattr(p, OWNER)
+        unbound: Any = None  # no more steps: close() takes the core from _unbound
         self._hooks, self._binding = [], {}
-        self._unbound, self.sharded = self.sharded, None
+        self._unbound, self.sharded = self.sharded, unbound
 
     def close(self) -> None:
         """Give the parameters back (``unbind``) and close the core optimizer
         (``ShardedOptimizer.close``: communicators, requests, threads and buffers freed);
         later steps raise naming close(). Idempotent; must be called on all ranks.
         ``with ZeroOptimizer(...) as opt:`` calls it when the block ends."""
-        sharded = self.sharded or getattr(self, "_unbound", None)
+        # bound, or unbound (and _unbound holds it)
+        sharded = cast(ShardedOptimizer, self.sharded or getattr(self, "_unbound", None))
         if self._binding:
             self.unbind()
         self.sharded = sharded  # closed: its methods raise, naming close()
@@ -381,9 +386,10 @@ def _named_groups(params, module) -> list[dict]:
             else [{"params": params}]
         )
     names = None if module is None else {id(p): n for n, p in module.named_parameters()}
-    groups, seen = [], {}
+    groups: list[dict] = []
+    seen: dict[int, str] = {}  # id(parameter) -> its name
     for index, group in enumerate(raw):
-        members = group.get("params")
+        members: Any = group.get("params")  # a mapping, (name, p) pairs or tensors
         if isinstance(members, Mapping):
             members = list(members.items())
         elif isinstance(members, torch.Tensor) or members is None:

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from typing import cast
 
 __all__ = ["Watchdog", "watched", "check_step_timeout", "EXIT_GRACE_SECONDS", "EXIT_STATUS"]
 
@@ -70,7 +71,8 @@ class Watchdog:
         exit=os._exit,
     ):
         self.timeout, self.rank = timeout, rank
-        self.step, self.phase, self.bucket = 0, "", None
+        self.step, self.phase = 0, ""
+        self.bucket: int | None = None
         self.armed = 0  # the token of the armed step, 0 when none is armed
         self._token = 0
         self._abort, self._write = abort, write
@@ -112,7 +114,8 @@ class Watchdog:
         )
 
     def _watch(self) -> None:
-        interval = max(self.timeout / 4, 0.01)
+        timeout = cast(float, self.timeout)  # the thread runs only with a timeout
+        interval = max(timeout / 4, 0.01)
         seen, since = 0, 0.0
         while not self._closed.wait(interval):
             token = self.armed
@@ -122,7 +125,7 @@ class Watchdog:
             now = time.monotonic()
             if token != seen:  # armed since the last look: the clock starts now
                 seen, since = token, now
-            elif now - since >= self.timeout and self.armed == token:
+            elif now - since >= timeout and self.armed == token:
                 self._fire()
                 return
 

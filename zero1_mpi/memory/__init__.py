@@ -188,9 +188,9 @@ def parse_param_count(text: str) -> int:
     """``'7B'``, ``'125M'``, ``'10k'``, ``'1.3e9'``, ``'10000'`` -> a whole number of parameters."""
     raw = str(text).strip()
     scale = 1
-    for suffix, value in _UNITS:
+    for suffix, unit in _UNITS:
         if raw.upper().endswith(suffix):
-            raw, scale = raw[:-1], value
+            raw, scale = raw[:-1], unit
             break
     try:
         value = Decimal(raw) * scale
