@@ -8,9 +8,9 @@ gradients stay replicated in flat NumPy or CuPy buffers that the model sees thro
 
 from .checkpoint import CheckpointError
 from .comm import CollectiveError, Communicator
+from .engine import ShardedOptimizer, StepInfo
 from .layout import Layout, build_layout
 from .memory import MemoryReport
-from .engine import ShardedOptimizer, StepInfo
 from .params import decay_groups
 from .rules import Rule
 from .rules.adam import ZeroAdam, ZeroAdamW
@@ -19,7 +19,22 @@ from .rules.lion import ZeroLion
 from .rules.sgd import ZeroSGD
 from .scaler import LossScaler
 
-__all__ = ["ZeroAdam", "ZeroAdamW", "ZeroSGD", "ZeroLion", "ZeroLAMB", "ShardedOptimizer",
-           "StepInfo", "Rule", "LossScaler", "decay_groups", "MemoryReport", "Communicator",
-           "CollectiveError", "CheckpointError", "Layout", "build_layout"]
+__all__ = [
+    "ZeroAdam",
+    "ZeroAdamW",
+    "ZeroSGD",
+    "ZeroLion",
+    "ZeroLAMB",
+    "ShardedOptimizer",
+    "StepInfo",
+    "Rule",
+    "LossScaler",
+    "decay_groups",
+    "MemoryReport",
+    "Communicator",
+    "CollectiveError",
+    "CheckpointError",
+    "Layout",
+    "build_layout",
+]
 __version__ = "0.1.0"

@@ -12,14 +12,33 @@ import re
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BFLOAT16", "PARAM_DTYPES", "HOST_ALIGN", "resolve_dtype", "is_device_array",
-           "backend_name", "host_dtype", "xp_for", "use_device", "synchronize", "zeros",
-           "pinned_empty", "copy_to_host", "copy_from_host", "to_numpy", "like",
-           "missing_header_error", "ExplainedKernel"]
+__all__ = [
+    "BFLOAT16",
+    "PARAM_DTYPES",
+    "HOST_ALIGN",
+    "resolve_dtype",
+    "is_device_array",
+    "backend_name",
+    "host_dtype",
+    "xp_for",
+    "use_device",
+    "synchronize",
+    "zeros",
+    "pinned_empty",
+    "copy_to_host",
+    "copy_from_host",
+    "to_numpy",
+    "like",
+    "missing_header_error",
+    "ExplainedKernel",
+]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-PARAM_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-                "bfloat16": BFLOAT16}
+PARAM_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": BFLOAT16,
+}
 
 
 def resolve_dtype(dtype, what: str = "param_dtype") -> np.dtype:
@@ -29,8 +48,7 @@ def resolve_dtype(dtype, what: str = "param_dtype") -> np.dtype:
     except TypeError:
         resolved = None
     if resolved is None or resolved not in PARAM_DTYPES.values():
-        raise ValueError(f"{what}={dtype!r} is not supported: use one of "
-                         f"{', '.join(PARAM_DTYPES)}")
+        raise ValueError(f"{what}={dtype!r} is not supported: use one of {', '.join(PARAM_DTYPES)}")
     return resolved
 
 
@@ -65,8 +83,9 @@ def _cupy():
     try:
         import cupy
     except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise ImportError("the cupy backend needs CuPy: pip install 'zero1-mpi[cuda12]' "
-                          "(or [cuda13])") from exc
+        raise ImportError(
+            "the cupy backend needs CuPy: pip install 'zero1-mpi[cuda12]' (or [cuda13])"
+        ) from exc
     return cupy
 
 
@@ -100,13 +119,14 @@ def zeros(xp, n: int, dtype):
     dtype = np.dtype(dtype)
     raw = np.zeros(n * dtype.itemsize + HOST_ALIGN, np.uint8)
     skip = -raw.ctypes.data % HOST_ALIGN
-    return raw[skip:skip + n * dtype.itemsize].view(dtype)
+    return raw[skip : skip + n * dtype.itemsize].view(dtype)
 
 
 def pinned_empty(nbytes: int, device: bool) -> np.ndarray:
     """A flat uint8 host buffer, page-locked when it is to stage device memory."""
     if device:
         import cupyx
+
         return cupyx.empty_pinned((nbytes,), dtype=np.uint8)
     return np.empty(nbytes, dtype=np.uint8)
 
@@ -150,7 +170,8 @@ def missing_header_error(error: BaseException) -> ImportError | None:
         "headers, which CuPy's float16/bfloat16 types include). Install them with "
         "pip install 'zero1-mpi[cuda12]' (or [cuda13], matching your CuPy), which brings "
         "NVRTC and the CUDA runtime headers of one version, or point CUDA_PATH at a CUDA "
-        "toolkit of CuPy's CUDA version")
+        "toolkit of CuPy's CUDA version"
+    )
 
 
 class ExplainedKernel:

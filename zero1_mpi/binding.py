@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import TYPE_CHECKING, Literal
 
 from .engine import ShardedOptimizer
 from .rules import registry
@@ -28,13 +29,19 @@ def optimizer_class(rule) -> type:
     if isinstance(rule, str):
         if rule.lower() == "adamw":
             from .rules.adam import ZeroAdamW
+
             return ZeroAdamW
         return registry.get(rule.lower()).optimizer
-    if inspect.isclass(rule) and issubclass(rule, ShardedOptimizer) \
-            and rule is not ShardedOptimizer:
+    if (
+        inspect.isclass(rule)
+        and issubclass(rule, ShardedOptimizer)
+        and rule is not ShardedOptimizer
+    ):
         return rule
-    raise TypeError(f"rule must be an optimizer class such as zero1_mpi.ZeroAdamW or a name "
-                    f"({', '.join(map(repr, RULE_NAMES))}), got {rule!r}")
+    raise TypeError(
+        f"rule must be an optimizer class such as zero1_mpi.ZeroAdamW or a name "
+        f"({', '.join(map(repr, RULE_NAMES))}), got {rule!r}"
+    )
 
 
 class PassThrough:
@@ -47,11 +54,17 @@ class PassThrough:
 
     sharded: ShardedOptimizer
 
+    if TYPE_CHECKING:  # for type checkers: two of the members generated below (CORE_INTERFACE)
+
+        def close(self) -> None: ...
+
+        def wait(self) -> None: ...
+
     def __enter__(self):
         self.sharded.__enter__()
         return self
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, *exc_info) -> Literal[False]:
         self.close()
         return False
 
@@ -64,12 +77,15 @@ def _forward(name: str, member):
     @functools.wraps(member)  # the core's name, docstring and (through __wrapped__) signature
     def forward(self, *args, **kwargs):
         return getattr(self.sharded, name)(*args, **kwargs)
+
     return forward
 
 
 #: The core's public interface, by name: its methods and properties.
-CORE_INTERFACE = {name: member for name, member in vars(ShardedOptimizer).items()
-                  if not name.startswith("_") and (callable(member)
-                                                   or isinstance(member, property))}
+CORE_INTERFACE = {
+    name: member
+    for name, member in vars(ShardedOptimizer).items()
+    if not name.startswith("_") and (callable(member) or isinstance(member, property))
+}
 for _name, _member in CORE_INTERFACE.items():
     setattr(PassThrough, _name, _forward(_name, _member))

@@ -13,12 +13,17 @@ collectives must be called on all ranks, with the same arguments.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import backend
 from .views import Views
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .comm import Request
 
 __all__ = ["BucketPipeline"]
 
@@ -45,12 +50,13 @@ class BucketPipeline:
     problem: str | None = None
     order_digest = 0
 
-    def __init__(self, layout, xp, dtype, topology, exchange_16bit: bool, reductions,
-                 watch: Watchdog):
+    def __init__(
+        self, layout, xp, dtype, topology, exchange_16bit: bool, reductions, watch: Watchdog
+    ):
         self.layout, self.watch = layout, watch
         #: The flat gradient buffer; ``grads``: its views by name (what the model writes).
         self.buffer = grads = backend.zeros(xp, layout.total, dtype)
-        self.grads = Views(layout, grads)
+        self.grads: Mapping = Views(layout, grads)
         self._grads = grads
         self._comm, self._replica_comm = topology.comm, topology.replica_comm
         self._shard_comm = topology.shard_comm
@@ -58,14 +64,20 @@ class BucketPipeline:
         # 16-bit exchanges land in receive slots; two let one bucket's sum run while the next
         # bucket's exchange is in flight.
         slots = min(2, len(layout.buckets)) if exchange_16bit else 0
-        self._received = xp.empty((slots, max(b.size for b in layout.buckets)), dtype) \
-            if slots else None
-        self._tensor_buckets = {t.name: [b.index for b in layout.buckets
-                                         if b.offset < t.offset + t.numel
-                                         and t.offset < b.offset + b.used]
-                                for t in layout.tensors}
-        self._bucket_tensors = [sum(b.index in ids for ids in self._tensor_buckets.values())
-                                for b in layout.buckets]
+        self._received: Any = (
+            xp.empty((slots, max(b.size for b in layout.buckets)), dtype) if slots else None
+        )
+        self._tensor_buckets = {
+            t.name: [
+                b.index
+                for b in layout.buckets
+                if b.offset < t.offset + t.numel and t.offset < b.offset + b.used
+            ]
+            for t in layout.tensors
+        }
+        self._bucket_tensors = [
+            sum(b.index in ids for ids in self._tensor_buckets.values()) for b in layout.buckets
+        ]
         self._new_round()
         # Persistent requests hold these buffers: free them when the pipeline goes.
         self._release = weakref.finalize(self, self._shard_comm.close, [grads, self._received])
@@ -89,8 +101,10 @@ class BucketPipeline:
 
     def add(self, name: str, grad) -> None:
         """Stage 2's hand-over, refused: the model writes ``grads[name]`` instead."""
-        raise ValueError("add_grad() hands gradients over with shard_gradients=True; "
-                         "without it, write them into opt.grads[name]")
+        raise ValueError(
+            "add_grad() hands gradients over with shard_gradients=True; "
+            "without it, write them into opt.grads[name]"
+        )
 
     def missing(self) -> list[str]:
         """Stage 2's tensors not yet handed over: none here."""
@@ -120,9 +134,11 @@ class BucketPipeline:
             if name not in self._tensor_buckets:
                 raise KeyError(f"grads_ready({name!r}): no parameter of that name")
             if name in self._ready:
-                raise ValueError(f"grads_ready({name!r}) again before step(): its reduction may "
-                                 "have started, so later gradients would be lost; accumulate "
-                                 "first, then call grads_ready once per step")
+                raise ValueError(
+                    f"grads_ready({name!r}) again before step(): its reduction may "
+                    "have started, so later gradients would be lost; accumulate "
+                    "first, then call grads_ready once per step"
+                )
         return names
 
     def mark_ready(self, names: list[str]) -> None:
@@ -166,19 +182,24 @@ class BucketPipeline:
 
     def _new_round(self) -> None:
         """No tensor ready, no bucket started."""
-        self._ready = set()
+        self._ready: set[str] = set()
         self._waiting = list(self._bucket_tensors)
         self._next_start = len(self.layout.buckets) - 1
-        self._started_order = []
-        self._in_flight = {}  # bucket index -> (request, receive slot or None)
-        self._reduced = {}    # bucket index -> this rank's summed shard, once finished
-        self._across = {}     # bucket index -> its sum across the shard groups, in flight
-        self._slot_owner = [None] * (0 if self._received is None else len(self._received))
+        self._started_order: list[int] = []
+        # bucket index -> (request, receive slot or None)
+        self._in_flight: dict[int, tuple[Request, int | None]] = {}
+        # bucket index -> this rank's summed shard, once finished
+        self._reduced: dict[int, Any] = {}
+        # bucket index -> its sum across the shard groups, in flight
+        self._across: dict[int, Request] = {}
+        self._slot_owner: list[int | None] = [None] * (
+            0 if self._received is None else len(self._received)
+        )
 
     def _start_reduction(self, index: int) -> None:
         """Start summing bucket ``index``'s gradients over the group (in place, see below)."""
         bucket = self.layout.buckets[index]
-        grads = self._grads[bucket.offset:bucket.offset + bucket.size]
+        grads = self._grads[bucket.offset : bucket.offset + bucket.size]
         self.watch.bucket = index
         self._next_start = index - 1
         self._started_order.append(index)
@@ -188,10 +209,11 @@ class BucketPipeline:
             self._in_flight[index] = (self._shard_comm.start_reduce_scatter(grads), None)
         else:
             slot = index % len(self._received)
-            if self._slot_owner[slot] is not None:
-                self._finish_reduction(self._slot_owner[slot])
+            owner = self._slot_owner[slot]
+            if owner is not None:
+                self._finish_reduction(owner)
             self._slot_owner[slot] = index
-            received = self._received[slot, :bucket.size]
+            received = self._received[slot, : bucket.size]
             self._in_flight[index] = (self._shard_comm.start_alltoall(grads, received), slot)
 
     def _finish_reduction(self, index: int):
@@ -206,16 +228,15 @@ class BucketPipeline:
         self.watch.bucket = index
         request.wait()
         bucket = self.layout.buckets[index]
-        grads = self._grads[bucket.offset:bucket.offset + bucket.size]
+        grads = self._grads[bucket.offset : bucket.offset + bucket.size]
         if slot is None:
             reduced = self._shard_comm.reduced_block(grads)
         else:
-            reduced = grads.view(FP32)[:bucket.shard_size]  # 2 x size bytes >= 4 x size / K
-            blocks = self._received[slot, :bucket.size].reshape(self._shard_comm.size, -1)
+            reduced = grads.view(FP32)[: bucket.shard_size]  # 2 x size bytes >= 4 x size / K
+            blocks = self._received[slot, : bucket.size].reshape(self._shard_comm.size, -1)
             self._reductions.sum_blocks(blocks, reduced)
             self._slot_owner[slot] = None
         if self._replica_comm is not None:  # the group's sum, summed over its replicas
             self._across[index] = self._replica_comm.start_allreduce(reduced)
         self._reduced[index] = reduced
         return reduced
-

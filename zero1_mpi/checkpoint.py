@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -30,8 +31,25 @@ from .backend import to_numpy
 from .params import group_record, restore_options
 from .scaler import LossScaler
 
-__all__ = ["save", "check_keep", "start_save", "PendingSave", "snapshot_shape", "load", "CheckpointError", "read_counters", "check_rule", "resolve",
-           "read_manifest", "check_compatible", "VERSION", "VERSIONS", "fingerprint", "plan_reads", "CHUNK"]
+__all__ = [
+    "save",
+    "check_keep",
+    "start_save",
+    "PendingSave",
+    "snapshot_shape",
+    "load",
+    "CheckpointError",
+    "read_counters",
+    "check_rule",
+    "resolve",
+    "read_manifest",
+    "check_compatible",
+    "VERSION",
+    "VERSIONS",
+    "fingerprint",
+    "plan_reads",
+    "CHUNK",
+]
 
 FORMAT = "zero1_mpi.checkpoint"
 VERSION = 2  # 2: manifest.sha256 and the digest in LATEST; 1 (still loaded): neither
@@ -40,10 +58,29 @@ MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest.sha256"
 LATEST = "LATEST"
 #: Exactly the keys of a manifest (of each version) and of each of its file entries.
-MANIFEST_KEYS = {2: frozenset({
-    "format", "version", "saved_at", "fingerprint", "world_size", "shard_group_size", "step",
-    "param_dtype", "numel", "rule", "rows", "tensors", "param_groups", "rule_settings",
-    "max_grad_norm", "loss_scaler", "files"})}
+MANIFEST_KEYS = {
+    2: frozenset(
+        {
+            "format",
+            "version",
+            "saved_at",
+            "fingerprint",
+            "world_size",
+            "shard_group_size",
+            "step",
+            "param_dtype",
+            "numel",
+            "rule",
+            "rows",
+            "tensors",
+            "param_groups",
+            "rule_settings",
+            "max_grad_norm",
+            "loss_scaler",
+            "files",
+        }
+    )
+}
 FILE_KEYS = frozenset({"file", "bytes", "sha256", "ranges"})
 CHUNK = 1 << 20  # elements read or written at a time: 4 MiB of float32
 _NAME = re.compile(r"^ckpt-\d{8,}-\d+$")
@@ -58,6 +95,7 @@ class CheckpointError(ValueError):
 
 # -- saving ----------------------------------------------------------------------------------
 
+
 def save(comm, state, counters, path, keep: int | None = None) -> Path:
     """Write a checkpoint of ``state`` and ``counters`` under the root ``path``; return its
     directory. A failure removes what this save wrote, then raises ``CheckpointError`` on
@@ -67,8 +105,10 @@ def save(comm, state, counters, path, keep: int | None = None) -> Path:
     name = f"shard-{state.shard_rank:05d}.npy"
     try:  # one copy of the state: the first shard group writes it (the others replicate it)
         if state.writes:
-            info = {**_write_shard(tmp / name, _shape(state), _state_chunks(state)),
-                    "ranges": _ranges(state)}
+            info = {
+                **_write_shard(tmp / name, _shape(state), _state_chunks(state)),
+                "ranges": _ranges(state),
+            }
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = CheckpointError(f"cannot write {tmp.name}/{name}: {exc}")
     _agree_written(comm, error, tmp)
@@ -90,8 +130,9 @@ class PendingSave:
         self._comm, self._state, self.root, self._tmp = comm, state, root, tmp
         self._keep, self.step = keep, manifest["step"]
         self._manifest = manifest  # what the snapshot is of, taken with it
-        self._info = self._write_error = None
-        self._thread = None
+        self._info: dict | None = None
+        self._write_error: CheckpointError | None = None
+        self._thread: threading.Thread | None = None
         self.path: Path | None = None
         self.error: CheckpointError | None = None
         self.done = False
@@ -101,11 +142,12 @@ class PendingSave:
 
         def write():
             try:
-                self._info = {**_write_shard(self._tmp / name, snapshot.shape,
-                                             _snapshot_chunks(snapshot)), "ranges": ranges}
+                self._info = {
+                    **_write_shard(self._tmp / name, snapshot.shape, _snapshot_chunks(snapshot)),
+                    "ranges": ranges,
+                }
             except Exception as exc:  # noqa: BLE001 - reported on every rank by finish()
-                self._write_error = CheckpointError(f"cannot write {self._tmp.name}/{name}: "
-                                                    f"{exc}")
+                self._write_error = CheckpointError(f"cannot write {self._tmp.name}/{name}: {exc}")
 
         self._thread = threading.Thread(target=write, name="zero1_mpi checkpoint writer")
         self._thread.start()
@@ -125,15 +167,16 @@ class PendingSave:
         comm = self._comm
         try:
             _agree_written(comm, self._write_error, self._tmp)
-            self.path = _finish(comm, self.root, self._tmp, self._manifest, self._info,
-                                self._keep)
+            self.path = _finish(comm, self.root, self._tmp, self._manifest, self._info, self._keep)
         except CheckpointError as exc:  # raised on every rank by agree()
             self.error = exc
         self.done = True
         if self.error is not None and comm.rank == 0:
-            sys.stderr.write(f"zero1_mpi: the checkpoint of step {self.step} under "
-                             f"{self.root} failed: {self.error}; the previous one stays "
-                             f"{LATEST}\n")
+            sys.stderr.write(
+                f"zero1_mpi: the checkpoint of step {self.step} under "
+                f"{self.root} failed: {self.error}; the previous one stays "
+                f"{LATEST}\n"
+            )
             sys.stderr.flush()
 
     def wait(self) -> Path:
@@ -142,7 +185,7 @@ class PendingSave:
         self.finish()
         if self.error is not None:
             raise self.error
-        return self.path
+        return cast(Path, self.path)  # finish() sets it unless it sets the error
 
 
 def start_save(comm, state, counters, path, keep: int | None, snapshot) -> PendingSave:
@@ -157,7 +200,7 @@ def start_save(comm, state, counters, path, keep: int | None, snapshot) -> Pendi
             column = 0
             for data in _state_chunks(state, by_row=False):
                 for row, values in enumerate(data):
-                    snapshot[row, column:column + values.size] = values
+                    snapshot[row, column : column + values.size] = values
                 column += data[0].size
         pending._start(snapshot)
     return pending
@@ -240,9 +283,11 @@ def row_views(state, lo: int, hi: int, start: int) -> list:
 def check_rule(rule, saved_rule, where) -> None:
     """A checkpoint holds the state of one update rule: only that ``rule`` can load it."""
     if saved_rule != rule.name:
-        raise CheckpointError(f"{where} holds the state of the {saved_rule!r} rule, but the "
-                              f"optimizer runs {rule.name!r}: load it into an optimizer of "
-                              "the rule that saved it")
+        raise CheckpointError(
+            f"{where} holds the state of the {saved_rule!r} rule, but the "
+            f"optimizer runs {rule.name!r}: load it into an optimizer of "
+            "the rule that saved it"
+        )
 
 
 def _state_chunks(state, by_row: bool = True):
@@ -250,8 +295,11 @@ def _state_chunks(state, by_row: bool = True):
     elements at a time: arrays (``by_row``: row by row, as the file holds them) or, else, the
     list of every row's piece of one chunk of columns."""
     ranges = state.layout.owned(state.shard_rank)
-    pieces = [(start, min(hi, start + CHUNK), first + start - lo)
-              for lo, hi, first in ranges for start in range(lo, hi, CHUNK)]
+    pieces = [
+        (start, min(hi, start + CHUNK), first + start - lo)
+        for lo, hi, first in ranges
+        for start in range(lo, hi, CHUNK)
+    ]
     if by_row:
         for row in range(len(state.rows)):
             for start, stop, first in pieces:
@@ -264,15 +312,16 @@ def _state_chunks(state, by_row: bool = True):
 def _snapshot_chunks(snapshot):
     for row in snapshot:
         for start in range(0, row.size, CHUNK):
-            yield row[start:start + CHUNK]
+            yield row[start : start + CHUNK]
 
 
 def _write_shard(file: Path, shape: tuple[int, int], chunks) -> dict:
     """Write the float32 array of ``shape`` that ``chunks`` give in order to ``file`` as
     ``.npy``, synced; return its manifest entry (without ranges: added by the caller)."""
     header = io.BytesIO()
-    np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False,
-                                                  "shape": tuple(shape)})
+    np.lib.format.write_array_header_2_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": tuple(shape)}
+    )
     digest = hashlib.sha256(header.getvalue())
     size = len(header.getvalue())
     with open(file, "wb") as f:
@@ -295,17 +344,24 @@ def _manifest(comm, state, counters) -> dict:
     """The manifest of ``state`` and ``counters`` as they are now, but the files (and the
     time of writing)."""
     return {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT,
+        "version": VERSION,
         "fingerprint": fingerprint(state, counters.param_groups),
-        "world_size": comm.size, "shard_group_size": state.layout.group_size,
+        "world_size": comm.size,
+        "shard_group_size": state.layout.group_size,
         "step": counters.step,
-        "param_dtype": state.dtype.name, "numel": state.layout.numel,
-        "rule": state.rule.name, "rows": list(state.rows),
-        "tensors": [{"name": t.name, "shape": list(t.shape), "offset": t.offset}
-                    for t in state.layout.tensors],
+        "param_dtype": state.dtype.name,
+        "numel": state.layout.numel,
+        "rule": state.rule.name,
+        "rows": list(state.rows),
+        "tensors": [
+            {"name": t.name, "shape": list(t.shape), "offset": t.offset}
+            for t in state.layout.tensors
+        ],
         "param_groups": [group_record(g, state.rule) for g in counters.param_groups],
         "rule_settings": state.rule.settings(),
-        "max_grad_norm": counters.max_grad_norm, "loss_scaler": counters.scaler.state(),
+        "max_grad_norm": counters.max_grad_norm,
+        "loss_scaler": counters.scaler.state(),
     }
 
 
@@ -348,8 +404,9 @@ def _prune(root: Path, latest: str, keep: int | None) -> None:
             _remove_tree(root / name)
     if keep is None:
         return
-    complete = sorted((name for name in dirs if _NAME.match(name)),
-                      key=lambda name: int(name.rsplit("-", 1)[1]))
+    complete = sorted(
+        (name for name in dirs if _NAME.match(name)), key=lambda name: int(name.rsplit("-", 1)[1])
+    )
     for name in complete[:-keep]:
         if name != latest:
             _remove_tree(root / name)
@@ -370,8 +427,9 @@ def _remove_tree(path: Path) -> bool:
         return False
     try:
         with os.scandir(fd) as entries:
-            found = [(e.name, _OWN.match(e.name) and e.is_file(follow_symlinks=False))
-                     for e in entries]
+            found = [
+                (e.name, _OWN.match(e.name) and e.is_file(follow_symlinks=False)) for e in entries
+            ]
         names = [name for name, own in found if own]
         if len(names) < len(found):  # something that is not a save's: none of it is touched
             return False
@@ -411,19 +469,19 @@ def _sync_dir(path: Path) -> None:
 
 # -- loading ---------------------------------------------------------------------------------
 
+
 def load(comm, state, counters, path) -> Path:
     """Load the checkpoint at ``path`` (a root with ``LATEST``, or one checkpoint directory)
     into ``state`` and ``counters``, whatever world size saved it; return the checkpoint
     directory."""
-    error = reads = manifest = ckpt = saved = None
+    error = None  # the try binds ckpt, reads and saved, or agree() raises on every rank
     try:
         ckpt, latest_digest = resolve(Path(path))
         manifest = read_manifest(ckpt, latest_digest)
         check_compatible(state, manifest, ckpt)
         saved = read_counters(manifest, counters.param_groups, state.rule, ckpt / MANIFEST)
         if manifest.get("fingerprint") != fingerprint(state, counters.param_groups):
-            raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the "
-                                  "optimizer's")
+            raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the optimizer's")
         reads = plan_reads(state.layout.owned(state.shard_rank), manifest["files"])
         needed = {read[0] for read in reads}
         for index, entry in enumerate(manifest["files"]):
@@ -437,8 +495,11 @@ def load(comm, state, counters, path) -> Path:
         # on every rank by agree() (one rank's alone would leave the others waiting)
         error = CheckpointError(f"cannot load a checkpoint from {path}: {exc!r}")
     comm.agree(error)
-    comm.check_same(ckpt.name, "the checkpoint that LATEST names", "do not save into the root "
-                    "while loading from it (or pass the checkpoint directory itself)")
+    comm.check_same(
+        ckpt.name,
+        "the checkpoint that LATEST names",
+        "do not save into the root while loading from it (or pass the checkpoint directory itself)",
+    )
 
     with comm.abort_on_error(f"while reading the checkpoint {ckpt}"):
         maps = {}
@@ -477,22 +538,26 @@ def resolve(path: Path) -> tuple[Path, str | None]:
         return path, None
     latest = path / LATEST
     if not latest.is_file():
-        raise CheckpointError(f"no checkpoint at {path}: it holds neither {MANIFEST} nor "
-                              f"{LATEST} (pass the directory given to save())")
+        raise CheckpointError(
+            f"no checkpoint at {path}: it holds neither {MANIFEST} nor "
+            f"{LATEST} (pass the directory given to save())"
+        )
     data = latest.read_bytes()
+    text: str | bytes
     try:
         text = data.decode("ascii")
     except UnicodeDecodeError:
         text = data  # shown as bytes in the message
     found = isinstance(text, str) and (_LATEST.match(text) or _LATEST_V1.match(text))
     if not found:
-        raise CheckpointError(f"{latest} holds {text!r}, not the name of a checkpoint of this "
-                              "root and its manifest's SHA-256 (ckpt-<step>-<time>, then 64 "
-                              "hex digits): it is damaged, or points outside the root")
+        raise CheckpointError(
+            f"{latest} holds {text!r}, not the name of a checkpoint of this "
+            "root and its manifest's SHA-256 (ckpt-<step>-<time>, then 64 "
+            "hex digits): it is damaged, or points outside the root"
+        )
     name = found.group(1)
     if not (path / name / MANIFEST).is_file():
-        raise CheckpointError(f"{latest} names {name!r}, but {path / name / MANIFEST} is "
-                              "missing")
+        raise CheckpointError(f"{latest} names {name!r}, but {path / name / MANIFEST} is missing")
     return path / name, (found.group(2) if found.re is _LATEST else "")
 
 
@@ -511,9 +576,11 @@ def read_manifest(ckpt: Path, latest_digest: str | None = None) -> dict:
         raise CheckpointError(f"{file} is not a zero1_mpi checkpoint manifest")
     version = manifest.get("version")
     if version not in VERSIONS or isinstance(version, bool):
-        raise CheckpointError(f"{file} has format version {version!r}; this zero1_mpi reads "
-                              f"versions {', '.join(map(str, VERSIONS))}: load it with the "
-                              "version that wrote it")
+        raise CheckpointError(
+            f"{file} has format version {version!r}; this zero1_mpi reads "
+            f"versions {', '.join(map(str, VERSIONS))}: load it with the "
+            "version that wrote it"
+        )
     if version >= 2:
         _check_manifest_digest(ckpt, hashlib.sha256(data).hexdigest(), latest_digest)
         keys = set(manifest)
@@ -521,33 +588,47 @@ def read_manifest(ckpt: Path, latest_digest: str | None = None) -> dict:
             raise CheckpointError(
                 f"{file} has the keys {sorted(keys - MANIFEST_KEYS[version])} that format "
                 f"version {version} does not, and lacks {sorted(MANIFEST_KEYS[version] - keys)}"
-                ": it was not written by save()")
+                ": it was not written by save()"
+            )
     elif latest_digest:
-        raise CheckpointError(f"{ckpt.parent / LATEST} gives a manifest digest, but {file} "
-                              "is of format version 1, which has none: LATEST names another "
-                              "checkpoint than the one saved with it")
+        raise CheckpointError(
+            f"{ckpt.parent / LATEST} gives a manifest digest, but {file} "
+            "is of format version 1, which has none: LATEST names another "
+            "checkpoint than the one saved with it"
+        )
     files = manifest.get("files")
     if not isinstance(files, list) or not files:
         raise CheckpointError(f"{file} lists no files")
     for entry in files:
         if not isinstance(entry, dict) or (version >= 2 and set(entry) != FILE_KEYS):
-            raise CheckpointError(f"{file}: a file entry must have exactly the keys "
-                                  f"{sorted(FILE_KEYS)}, not {entry!r}")
+            raise CheckpointError(
+                f"{file}: a file entry must have exactly the keys "
+                f"{sorted(FILE_KEYS)}, not {entry!r}"
+            )
         name = entry.get("file")
         if not isinstance(name, str) or not _SHARD.match(name) or Path(name).name != name:
-            raise CheckpointError(f"{file} lists the file {name!r}, which is not a shard name "
-                                  "(shard-<rank>.npy): it may point outside the checkpoint")
+            raise CheckpointError(
+                f"{file} lists the file {name!r}, which is not a shard name "
+                "(shard-<rank>.npy): it may point outside the checkpoint"
+            )
     covered = sorted((lo, hi) for entry in files for lo, hi in entry["ranges"])
     ends = [0] + [hi for _, hi in covered]
-    if [lo for lo, _ in covered] != ends[:-1] or ends[-1] != manifest["numel"] \
-            or any(lo >= hi for lo, hi in covered):
-        raise CheckpointError(f"{file}: the files' ranges do not cover the "
-                              f"{manifest['numel']} parameters exactly once")
+    if (
+        [lo for lo, _ in covered] != ends[:-1]
+        or ends[-1] != manifest["numel"]
+        or any(lo >= hi for lo, hi in covered)
+    ):
+        raise CheckpointError(
+            f"{file}: the files' ranges do not cover the "
+            f"{manifest['numel']} parameters exactly once"
+        )
     named = _NAME.match(ckpt.name)
     if named and int(ckpt.name.split("-")[1]) != manifest.get("step"):
-        raise CheckpointError(f"{ckpt.name} is the directory of step "
-                              f"{int(ckpt.name.split('-')[1])}, but its manifest says step "
-                              f"{manifest.get('step')!r}: one of them was changed")
+        raise CheckpointError(
+            f"{ckpt.name} is the directory of step "
+            f"{int(ckpt.name.split('-')[1])}, but its manifest says step "
+            f"{manifest.get('step')!r}: one of them was changed"
+        )
     return manifest
 
 
@@ -558,15 +639,19 @@ def _check_manifest_digest(ckpt: Path, actual: str, latest_digest: str | None) -
     try:
         text = file.read_bytes()
     except OSError as exc:
-        raise CheckpointError(f"{file} cannot be read ({exc}): the manifest's checksum is "
-                              "missing") from None
+        raise CheckpointError(
+            f"{file} cannot be read ({exc}): the manifest's checksum is missing"
+        ) from None
     if text != f"{actual}  {MANIFEST}\n".encode():
-        raise CheckpointError(f"{ckpt / MANIFEST} does not match its checksum in {file}: one "
-                              "of them is corrupted")
+        raise CheckpointError(
+            f"{ckpt / MANIFEST} does not match its checksum in {file}: one of them is corrupted"
+        )
     if latest_digest is not None and latest_digest != actual:
-        raise CheckpointError(f"{ckpt / MANIFEST} does not match the checksum in "
-                              f"{ckpt.parent / LATEST}: one of them is corrupted, or LATEST "
-                              "names another checkpoint than the one saved with it")
+        raise CheckpointError(
+            f"{ckpt / MANIFEST} does not match the checksum in "
+            f"{ckpt.parent / LATEST}: one of them is corrupted, or LATEST "
+            "names another checkpoint than the one saved with it"
+        )
 
 
 def check_compatible(state, manifest: dict, ckpt: Path) -> None:
@@ -578,24 +663,35 @@ def check_compatible(state, manifest: dict, ckpt: Path) -> None:
             diff = f"{len(theirs)} tensors, the optimizer {len(mine)}"
         else:
             a, b = next((a, b) for a, b in zip(theirs, mine) if a != b)
-            diff = f"{a[0]!r} with shape {tuple(a[1])}, the optimizer {b[0]!r} with shape " \
-                   f"{tuple(b[1])}"
-        raise CheckpointError(f"{ckpt} holds different parameters: the checkpoint has {diff}: "
-                              "build the optimizer with the names and shapes it was saved with")
+            diff = (
+                f"{a[0]!r} with shape {tuple(a[1])}, the optimizer {b[0]!r} with shape "
+                f"{tuple(b[1])}"
+            )
+        raise CheckpointError(
+            f"{ckpt} holds different parameters: the checkpoint has {diff}: "
+            "build the optimizer with the names and shapes it was saved with"
+        )
     if manifest["param_dtype"] != state.dtype.name:
-        raise CheckpointError(f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
-                              f"the optimizer has {state.dtype.name!r}: use the same")
+        raise CheckpointError(
+            f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
+            f"the optimizer has {state.dtype.name!r}: use the same"
+        )
     check_rule(state.rule, manifest.get("rule", "adam"), ckpt)  # version 1 without it: Adam's
     if manifest["rows"] != list(state.rows):
-        raise CheckpointError(f"{ckpt} holds the rows {manifest['rows']}, the optimizer keeps "
-                              f"{list(state.rows)}")
-
+        raise CheckpointError(
+            f"{ckpt} holds the rows {manifest['rows']}, the optimizer keeps {list(state.rows)}"
+        )
 
 
 def fingerprint(state, param_groups) -> str:
     """What a checkpoint and an optimizer must share, independent of the world size."""
-    text = repr(([(t.name, t.shape) for t in state.layout.tensors], state.dtype.name,
-                 [list(g["names"]) for g in param_groups]))
+    text = repr(
+        (
+            [(t.name, t.shape) for t in state.layout.tensors],
+            state.dtype.name,
+            [list(g["names"]) for g in param_groups],
+        )
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -619,11 +715,15 @@ def _check_header(ckpt: Path, entry: dict, rows: int) -> None:
     if not file.is_file():
         raise CheckpointError(f"{file} is missing")
     if file.stat().st_size != entry["bytes"]:
-        raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says "
-                              f"{entry['bytes']}: it is truncated or was replaced")
+        raise CheckpointError(
+            f"{file} has {file.stat().st_size} bytes, the manifest says "
+            f"{entry['bytes']}: it is truncated or was replaced"
+        )
     count = sum(hi - lo for lo, hi in entry["ranges"])
-    readers = {(1, 0): np.lib.format.read_array_header_1_0,
-               (2, 0): np.lib.format.read_array_header_2_0}
+    readers = {
+        (1, 0): np.lib.format.read_array_header_1_0,
+        (2, 0): np.lib.format.read_array_header_2_0,
+    }
     with open(file, "rb") as f:
         try:
             reader = readers.get(np.lib.format.read_magic(f))
@@ -635,8 +735,10 @@ def _check_header(ckpt: Path, entry: dict, rows: int) -> None:
             # the agreement below on this rank alone, and the others would wait for ever
             raise CheckpointError(f"{file} is not a NumPy array file: {exc!r}") from None
     if (shape, fortran, dtype) != ((rows, count), False, np.dtype("<f4")):
-        raise CheckpointError(f"{file} holds a {dtype} array of shape {shape}; the manifest "
-                              f"needs float32 of shape {(rows, count)}")
+        raise CheckpointError(
+            f"{file} holds a {dtype} array of shape {shape}; the manifest "
+            f"needs float32 of shape {(rows, count)}"
+        )
 
 
 def _check_checksum(ckpt: Path, entry: dict) -> None:
@@ -648,5 +750,6 @@ def _check_checksum(ckpt: Path, entry: dict) -> None:
         while block := f.read(1 << 22):
             digest.update(block)
     if digest.hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"{file} does not match its checksum in the manifest: it is "
-                              "corrupted")
+        raise CheckpointError(
+            f"{file} does not match its checksum in the manifest: it is corrupted"
+        )

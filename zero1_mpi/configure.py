@@ -44,27 +44,39 @@ def configure(params, comm, rule, defaults: dict, given: dict) -> Setup:
     if owns_comm:
         comm = Communicator(comm, cuda_aware=given.get("cuda_aware"))
     node = comm.node_ranks()
-    error = options = settings = groups = arrays = backend = layout = None
+    error = None  # the try binds the rest, or agree() raises on every rank
     try:
         if missing_members(rule):
-            raise TypeError(f"rule={rule!r} lacks {', '.join(missing_members(rule))}: "
-                            "subclass zero1_mpi.rules.Rule and define them")
+            raise TypeError(
+                f"rule={rule!r} lacks {', '.join(missing_members(rule))}: "
+                "subclass zero1_mpi.rules.Rule and define them"
+            )
         settings = rule.settings()
         groups, arrays = normalize_groups(params, defaults, rule)
         backend = check_arrays(arrays)
-        options = check_options(given, {"arrays": arrays, "comm": comm,
-                                        "comm_given": not owns_comm, "node": node})
-        layout = build_layout({name: tuple(a.shape) for name, a in arrays.items()},
-                              options.shard_group_size, options.param_dtype.name,
-                              bucket_elements=options.bucket_elements,
-                              param_group_tensors=[len(g["names"]) for g in groups])
+        options = check_options(
+            given, {"arrays": arrays, "comm": comm, "comm_given": not owns_comm, "node": node}
+        )
+        layout = build_layout(
+            {name: tuple(a.shape) for name, a in arrays.items()},
+            options.shard_group_size,
+            options.param_dtype.name,
+            bucket_elements=options.bucket_elements,
+            param_group_tensors=[len(g["names"]) for g in groups],
+        )
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     comm.agree(error)
-    comm.check_same({**settings, "backend": backend,
-                     "param group options": [group_options(g, rule) for g in groups],
-                     **options.agreed()},
-                    "an option", "construct the optimizer with the same arguments on every rank")
+    comm.check_same(
+        {
+            **settings,
+            "backend": backend,
+            "param group options": [group_options(g, rule) for g in groups],
+            **options.agreed(),
+        },
+        "an option",
+        "construct the optimizer with the same arguments on every rank",
+    )
     _check_layouts_agree(comm, layout)
     return Setup(comm, owns_comm, groups, arrays, backend, options, layout)
 
@@ -74,8 +86,9 @@ def _check_layouts_agree(comm: Communicator, layout) -> None:
     try:
         comm.check_same(layout.fingerprint, "the parameter layout", "")
     except CollectiveError:
-        described = comm.allgather_objects(([(t.name, t.shape) for t in layout.tensors],
-                                            ("param_dtype", layout.dtype)))
+        described = comm.allgather_objects(
+            ([(t.name, t.shape) for t in layout.tensors], ("param_dtype", layout.dtype))
+        )
         mine = described[0]
         for other, theirs in enumerate(described):
             if theirs == mine:
@@ -83,11 +96,17 @@ def _check_layouts_agree(comm: Communicator, layout) -> None:
             if len(theirs[0]) != len(mine[0]):
                 diff = (f"{len(mine[0])} tensors", f"{len(theirs[0])} tensors")
             else:
-                diff = next(((a, b) for a, b in zip(mine[0] + [mine[1]],
-                                                    theirs[0] + [theirs[1]]) if a != b),
-                            ("one grouping of the tensors", "another"))
+                diff = next(
+                    (
+                        (a, b)
+                        for a, b in zip(mine[0] + [mine[1]], theirs[0] + [theirs[1]])
+                        if a != b
+                    ),
+                    ("one grouping of the tensors", "another"),
+                )
             raise CollectiveError(
                 f"ranks passed different parameters: rank 0 has {diff[0]}, rank {other} "
                 f"has {diff[1]}: every rank must pass the same names, shapes and dtypes "
-                "in the same order") from None
+                "in the same order"
+            ) from None
         raise

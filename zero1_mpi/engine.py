@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import signal
 import weakref
+from typing import Any, Literal, Protocol
 
 from . import backend, ledger, options
 from .configure import configure
@@ -63,7 +64,7 @@ class ShardedOptimizer:
         self.persistence = Persistence(self.comm, state, counters, self.wait, watch)
         self._steps = StepPipeline(rule, state, grads, self.persistence, counters, reductions)
         #: Closed in reverse order by ``close()``.
-        self._parts = [topology, watch, state, grads, self.persistence]
+        self._parts: list[_Part] = [topology, watch, state, grads, self.persistence]
         self.params, self.grads = state.params, grads.grads
         weakref.finalize(self, watch.close)
 
@@ -235,8 +236,9 @@ class ShardedOptimizer:
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured from the arrays it allocated; with
         ``offload``, split between the device and the host."""
-        return ledger.memory_report(self.state, self.gradients, self._reductions,
-                                    self.persistence, self.backend)
+        return ledger.memory_report(
+            self.state, self.gradients, self._reductions, self.persistence, self.backend
+        )
 
     def close(self) -> None:
         """Release what this optimizer holds (for long runs that build many), its parts in
@@ -256,14 +258,15 @@ class ShardedOptimizer:
             if not method.startswith("_") and method != "close":
                 setattr(self, method, _closed_method(name, method))  # shadows the method
         self.params = self.grads = Closed(name)
-        self.state = self.gradients = self.persistence = self._steps = self._parts = None
+        dropped: Any = None  # no method reads them once closed (each raises instead)
+        self.state = self.gradients = self.persistence = self._steps = self._parts = dropped
 
     def __enter__(self):
         if self.closed:
             _closed_method(type(self).__name__, "__enter__")()
         return self
 
-    def __exit__(self, *exc_info) -> bool:
+    def __exit__(self, *exc_info) -> Literal[False]:
         self.close()
         return False
 
@@ -271,15 +274,25 @@ class ShardedOptimizer:
         return options.describe(self)
 
 
+class _Part(Protocol):
+    """What the engine asks of each of its parts at the end."""
+
+    def close(self) -> None: ...
+
+
 #: The attributes ``ShardedOptimizer.__getattr__`` finds on its parts.
-_ATTRIBUTES = {"options": frozenset(o.name for o in options.OPTIONS),
-               "topology": frozenset({"shard_rank", "replicas", "shard_comm", "replica_comm"})}
+_ATTRIBUTES = {
+    "options": frozenset(o.name for o in options.OPTIONS),
+    "topology": frozenset({"shard_rank", "replicas", "shard_comm", "replica_comm"}),
+}
 
 
 def _closed_method(owner: str, method: str):
     """What a closed optimizer's ``method`` becomes: a callable raising ``closed_error``."""
+
     def closed(*args, **kwargs):
         raise closed_error(owner, f"{method}()")
+
     return closed
 
 

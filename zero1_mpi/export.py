@@ -17,6 +17,7 @@ import os
 import struct
 import time
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import numpy as np
 
@@ -41,7 +42,8 @@ def save_consolidated(comm, state, counters, path) -> Path:
     """Write the full fp32 state of ``state`` (and ``counters``) to the single file ``path``."""
     file = Path(path)
     tmp = file.with_name(f".{file.name}.tmp-{comm.bcast_object(time.time_ns())}")
-    out = error = None
+    out: BinaryIO | None = None
+    error = None
     if comm.rank == 0:
         try:
             header = _header(state, counters)
@@ -51,6 +53,7 @@ def save_consolidated(comm, state, counters, path) -> Path:
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = CheckpointError(f"cannot write {file}: {exc}")
     comm.agree(error)
+    out = cast(BinaryIO, out)  # opened on rank 0, the only rank that uses it
 
     with comm.abort_on_error(f"while writing {file}"):
         received = np.empty(CHUNK, np.float32) if comm.rank == 0 else None
@@ -66,8 +69,9 @@ def save_consolidated(comm, state, counters, path) -> Path:
                         else:
                             comm.send(data, dest=0)
                     elif comm.rank == 0:
-                        comm.recv(received[:stop - start], source=owner)
-                        out.write(received[:stop - start].data)
+                        piece = cast(np.ndarray, received)[: stop - start]  # rank 0's
+                        comm.recv(piece, source=owner)
+                        out.write(piece.data)
 
     error = None
     if comm.rank == 0:
@@ -86,13 +90,19 @@ def load_consolidated(comm, state, counters, path) -> Path:
     """Load a file written by ``save_consolidated`` (at any world size) into ``state`` and
     ``counters``."""
     file = Path(path)
-    error = entries = data_start = saved = None
+    error = None  # the try binds entries, data_start and saved, or agree() raises on every rank
     try:
         entries, data_start, metadata = _read_header(state, file)
-        saved = read_counters({"step": _int(metadata.get("step")),
-                               "loss_scaler": json.loads(metadata["loss_scaler"]),
-                               "param_groups": json.loads(metadata["param_groups"])},
-                              counters.param_groups, state.rule, file)
+        saved = read_counters(
+            {
+                "step": _int(metadata.get("step")),
+                "loss_scaler": json.loads(metadata["loss_scaler"]),
+                "param_groups": json.loads(metadata["param_groups"]),
+            },
+            counters.param_groups,
+            state.rule,
+            file,
+        )
     except CheckpointError as exc:
         error = exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -109,13 +119,14 @@ def load_consolidated(comm, state, counters, path) -> Path:
                     for kind in _rows(state):
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
-                        chunk = buffer[:stop - start]
-                        if f.readinto(chunk.view(np.uint8)) != chunk.nbytes:
+                        chunk = buffer[: stop - start]
+                        if f.readinto(chunk.view(np.uint8).data) != chunk.nbytes:
                             raise CheckpointError(f"{file} ended early")
                         views[kind][...] = backend.like(views[kind], chunk)
                     if "param" in views:  # the 16-bit parameters are the rounded masters
-                        views["param"][...] = backend.like(
-                            views["param"], views["master"]).astype(state.dtype)
+                        views["param"][...] = backend.like(views["param"], views["master"]).astype(
+                            state.dtype
+                        )
         state.publish()
         counters.restore(*saved)
     return file
@@ -127,24 +138,36 @@ def _int(text):
 
 def _pieces_in_flat_order(layout):
     """``(owner, lo, hi, state)``: the real elements of the flat range, in order, by owner."""
-    pieces = [(lo, owner, hi, state) for owner in range(layout.group_size)
-              for lo, hi, state in layout.owned(owner)]
+    pieces = [
+        (lo, owner, hi, state)
+        for owner in range(layout.group_size)
+        for lo, hi, state in layout.owned(owner)
+    ]
     return [(owner, lo, hi, state) for lo, owner, hi, state in sorted(pieces)]
 
 
 def _header(state, counters) -> bytes:
-    header = {"__metadata__": {
-        "format": FORMAT, "version": VERSION, "rule": state.rule.name,
-        "step": str(counters.step),
-        "param_dtype": state.dtype.name,
-        "loss_scaler": json.dumps(counters.scaler.state()),
-        "param_groups": json.dumps([group_record(g, state.rule)
-                                    for g in counters.param_groups])}}
+    header = {
+        "__metadata__": {
+            "format": FORMAT,
+            "version": VERSION,
+            "rule": state.rule.name,
+            "step": str(counters.step),
+            "param_dtype": state.dtype.name,
+            "loss_scaler": json.dumps(counters.scaler.state()),
+            "param_groups": json.dumps(
+                [group_record(g, state.rule) for g in counters.param_groups]
+            ),
+        }
+    }
     offset = 0
     for kind in _rows(state):
         for t in state.layout.tensors:
-            header[f"{kind}/{t.name}"] = {"dtype": "F32", "shape": list(t.shape),
-                                          "data_offsets": [offset, offset + 4 * t.numel]}
+            header[f"{kind}/{t.name}"] = {
+                "dtype": "F32",
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + 4 * t.numel],
+            }
             offset += 4 * t.numel
     text = json.dumps(header, separators=(",", ":")).encode()
     return text + b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
@@ -161,17 +184,21 @@ def _read_header(state, file: Path):
             raise CheckpointError(f"{file} is too short to be a consolidated state file")
         (length,) = struct.unpack("<Q", head)
         if length > size - 8:
-            raise CheckpointError(f"{file}: its header claims {length} bytes, the file has "
-                                  f"{size - 8} after the length: it is truncated or corrupted")
+            raise CheckpointError(
+                f"{file}: its header claims {length} bytes, the file has "
+                f"{size - 8} after the length: it is truncated or corrupted"
+            )
         try:
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{file}: its header is not JSON: {exc}") from None
     metadata = header.get("__metadata__", {})
     if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
-        raise CheckpointError(f"{file} is not a zero1_mpi consolidated state file of version "
-                              f"{VERSION} (metadata: {metadata.get('format')!r} version "
-                              f"{metadata.get('version')!r})")
+        raise CheckpointError(
+            f"{file} is not a zero1_mpi consolidated state file of version "
+            f"{VERSION} (metadata: {metadata.get('format')!r} version "
+            f"{metadata.get('version')!r})"
+        )
     check_rule(state.rule, metadata.get("rule", "adam"), file)
     entries, data_bytes = {}, size - 8 - length
     for kind in _rows(state):
@@ -179,15 +206,20 @@ def _read_header(state, file: Path):
             key = f"{kind}/{t.name}"
             info = header.get(key)
             if info is None:
-                raise CheckpointError(f"{file} has no tensor {key!r}: it was saved from "
-                                      "other parameters")
+                raise CheckpointError(
+                    f"{file} has no tensor {key!r}: it was saved from other parameters"
+                )
             if info.get("dtype") != "F32" or list(info.get("shape", [])) != list(t.shape):
-                raise CheckpointError(f"{file}: {key!r} is {info.get('dtype')} of shape "
-                                      f"{tuple(info.get('shape', []))}, the optimizer needs "
-                                      f"F32 of shape {t.shape}")
+                raise CheckpointError(
+                    f"{file}: {key!r} is {info.get('dtype')} of shape "
+                    f"{tuple(info.get('shape', []))}, the optimizer needs "
+                    f"F32 of shape {t.shape}"
+                )
             begin, end = info["data_offsets"]
             if end - begin != 4 * t.numel or not 0 <= begin <= end <= data_bytes:
-                raise CheckpointError(f"{file}: {key!r} lies outside the file's data "
-                                      f"({begin}..{end} of {data_bytes} bytes): truncated?")
+                raise CheckpointError(
+                    f"{file}: {key!r} lies outside the file's data "
+                    f"({begin}..{end} of {data_bytes} bytes): truncated?"
+                )
             entries[key] = (begin, end)
     return entries, 8 + length, metadata

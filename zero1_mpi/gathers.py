@@ -36,8 +36,14 @@ class ParamGathers:
         """Start the all-gather of bucket ``index`` (this rank's shard of it written)."""
         bucket = self.layout.buckets[index]
         self._watch.bucket = index
-        self._in_flight.append((index, self._comm.start_allgather(
-            self._params[bucket.offset:bucket.offset + bucket.size])))
+        self._in_flight.append(
+            (
+                index,
+                self._comm.start_allgather(
+                    self._params[bucket.offset : bucket.offset + bucket.size]
+                ),
+            )
+        )
 
     def wait(self) -> None:
         """Complete the all-gathers in flight."""
@@ -52,7 +58,7 @@ class ParamGathers:
         """All-gather every bucket, blocking (what is in flight completed first)."""
         self.wait()
         for bucket in self.layout.buckets:
-            self._comm.allgather_inplace(self._params[bucket.offset:bucket.offset + bucket.size])
+            self._comm.allgather_inplace(self._params[bucket.offset : bucket.offset + bucket.size])
 
     def close(self) -> None:
         """Complete what is in flight and free the persistent requests on the buffer;

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from . import backend
 from .views import NoFullGradients
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .comm import Request
+    from .layout import Bucket
 
 __all__ = ["GradientShards"]
 
@@ -45,10 +51,31 @@ class GradientShards:
     """
 
     #: No rank holds the full gradient to view: this rank's gradient shard.
-    grads, sharded = NoFullGradients(), True
+    grads: Mapping = NoFullGradients()
+    sharded = True
+    # Set by _new_step, for each step:
+    problem: str | None
+    order_digest: int
+    _filled: list[set[str]]
+    _handed: list[set[str]]
+    _slot_of: list[int | None]
+    _reduced: list[int]
+    _free: deque[int]
+    _in_flight: deque[tuple[int, int, Request | None]]
+    _waiting: deque[int]
 
-    def __init__(self, layout, xp, param_dtype, shard_dtype, topology, exchange_16bit: bool,
-                 reductions, slots: int, watch: Watchdog):
+    def __init__(
+        self,
+        layout,
+        xp,
+        param_dtype,
+        shard_dtype,
+        topology,
+        exchange_16bit: bool,
+        reductions,
+        slots: int,
+        watch: Watchdog,
+    ):
         self.layout, self._xp, self.watch = layout, xp, watch
         self._world = topology.comm
         self._comm, self._replica_comm = topology.shard_comm, topology.replica_comm
@@ -58,16 +85,20 @@ class GradientShards:
         largest = max(b.size for b in layout.buckets)
         count = max(1, min(slots, len(layout.buckets)))
         self._slots = xp.zeros((count, largest), param_dtype)
-        self._received = xp.empty((count, largest), param_dtype) if exchange_16bit else None
+        self._received: Any = xp.empty((count, largest), param_dtype) if exchange_16bit else None
         # fp32 sums of a bucket's shard: the exchange's sum, or a 16-bit shard's sum across
         # replicas (MPI has no bfloat16 sum)
         needs_scratch = exchange_16bit or (self._replica_comm is not None and shard_dtype != FP32)
-        self._scratch = xp.empty(max(b.shard_size for b in layout.buckets), FP32) \
-            if needs_scratch else None
+        self._scratch: Any = (
+            xp.empty(max(b.shard_size for b in layout.buckets), FP32) if needs_scratch else None
+        )
         self._tensors = {t.name: t for t in layout.tensors}
-        self._bucket_tensors = [[t.name for t, _, _ in layout.pieces(b.offset, b.offset + b.used)]
-                                for b in layout.buckets]
-        self._tensor_buckets = {t.name: [] for t in layout.tensors}  # (an empty tensor: none)
+        self._bucket_tensors = [
+            [t.name for t, _, _ in layout.pieces(b.offset, b.offset + b.used)]
+            for b in layout.buckets
+        ]
+        # (an empty tensor: none)
+        self._tensor_buckets: dict[str, list[Bucket]] = {t.name: [] for t in layout.tensors}
         for bucket, names in zip(layout.buckets, self._bucket_tensors):
             for name in names:
                 self._tensor_buckets[name].append(bucket)
@@ -85,17 +116,20 @@ class GradientShards:
     @property
     def scratch_bytes(self) -> int:
         """Bytes of the staging slots and sums: a few buckets, whatever Ψ."""
-        return sum(0 if a is None else a.nbytes
-                   for a in (self._slots, self._received, self._scratch))
+        return sum(
+            0 if a is None else a.nbytes for a in (self._slots, self._received, self._scratch)
+        )
 
     # -- hand-over -----------------------------------------------------------------------------
 
     def ready(self, names) -> None:
         """Stage 1's ``grads_ready``, refused: a bucket's reduction starts with its last
         hand-over."""
-        raise ValueError("grads_ready() is for the full gradient buffer: with "
-                         "shard_gradients=True each bucket's reduction starts when "
-                         "add_grad() hands its last tensor over")
+        raise ValueError(
+            "grads_ready() is for the full gradient buffer: with "
+            "shard_gradients=True each bucket's reduction starts when "
+            "add_grad() hands its last tensor over"
+        )
 
     def add(self, name: str, grad) -> None:
         """Hand over the gradient of tensor ``name`` for this micro-batch (once per tensor per
@@ -118,16 +152,19 @@ class GradientShards:
                 self.problem = self.problem or (
                     f"the gradient of {name!r} was handed over twice in one micro-batch: hand "
                     "each tensor's gradient over once, after it is complete (accumulate "
-                    "micro-batches by handing each one over)")
+                    "micro-batches by handing each one over)"
+                )
                 continue
             slot = self._slot_for(bucket.index)
-            lo, hi = max(bucket.offset, tensor.offset), min(bucket.offset + bucket.used,
-                                                            tensor.offset + tensor.numel)
-            target = slot[lo - bucket.offset:hi - bucket.offset]
+            lo, hi = (
+                max(bucket.offset, tensor.offset),
+                min(bucket.offset + bucket.used, tensor.offset + tensor.numel),
+            )
+            target = slot[lo - bucket.offset : hi - bucket.offset]
             if flat is None:
                 target.fill(0)
             else:
-                target[...] = flat[lo - tensor.offset:hi - tensor.offset]
+                target[...] = flat[lo - tensor.offset : hi - tensor.offset]
             self._filled[bucket.index].add(name)
             self._handed[bucket.index].add(name)
             if len(self._handed[bucket.index]) == len(self._bucket_tensors[bucket.index]):
@@ -136,8 +173,13 @@ class GradientShards:
 
     def missing(self) -> list[str]:
         """The tensors still to be handed over to complete the buckets begun this micro-batch."""
-        return [name for index, handed in enumerate(self._handed) if handed
-                for name in self._bucket_tensors[index] if name not in handed]
+        return [
+            name
+            for index, handed in enumerate(self._handed)
+            if handed
+            for name in self._bucket_tensors[index]
+            if name not in handed
+        ]
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -152,10 +194,14 @@ class GradientShards:
             self.problem = self.problem or (
                 f"step() before the gradients of {missing[:5]}"
                 f"{' and more' if len(missing) > 5 else ''} were handed over: hand every "
-                "tensor's gradient over once per micro-batch (zeros for an unused one)")
+                "tensor's gradient over once per micro-batch (zeros for an unused one)"
+            )
         for index, filled in enumerate(self._filled):
-            if filled or not (self._reduced[index] or self._slot_of[index] is not None
-                              or any(entry[0] == index for entry in self._in_flight)):
+            if filled or not (
+                self._reduced[index]
+                or self._slot_of[index] is not None
+                or any(entry[0] == index for entry in self._in_flight)
+            ):
                 self._slot_for(index)
                 self._start(index)
         self._handed = [set() for _ in self.layout.buckets]
@@ -174,20 +220,21 @@ class GradientShards:
         with self._world.abort_on_error("in zero_grad() while completing reductions"):
             while self._in_flight:
                 request = self._in_flight.popleft()[2]
-                request.wait()
+                if request is not None:  # None: a shard group of one rank reduces nothing
+                    request.wait()
         self.shard.fill(0)
         self._new_step()
 
     # -- internals -----------------------------------------------------------------------------
 
     def _new_step(self) -> None:
-        self._filled = [set() for _ in self.layout.buckets]   # tensors in the open fill
-        self._handed = [set() for _ in self.layout.buckets]   # ... in this micro-batch
-        self._slot_of = [None] * len(self.layout.buckets)     # its staging slot
-        self._reduced = [0] * len(self.layout.buckets)        # reductions added this step
+        self._filled = [set() for _ in self.layout.buckets]  # tensors in the open fill
+        self._handed = [set() for _ in self.layout.buckets]  # ... in this micro-batch
+        self._slot_of = [None] * len(self.layout.buckets)  # its staging slot
+        self._reduced = [0] * len(self.layout.buckets)  # reductions added this step
         self._free = deque(range(len(self._slots)))
-        self._in_flight = deque()                             # (bucket, slot, request)
-        self._waiting = deque()                               # open fills holding a slot
+        self._in_flight = deque()  # (bucket, slot, request)
+        self._waiting = deque()  # open fills holding a slot
         #: A digest of the reductions started this step (buckets and how full), in order.
         self.order_digest = 0
         #: The first bad hand-over of this step (a message), raised by the step on every rank.
@@ -198,14 +245,20 @@ class GradientShards:
         if tensor is None:
             return f"add_grad({name!r}): no parameter of that name"
         if backend.backend_name(grad) != backend.backend_name(self.shard):
-            return (f"the gradient of {name!r} is a {type(grad).__name__}, the parameters "
-                    f"{type(self.shard).__name__}s: hand over arrays of the parameters' kind")
+            return (
+                f"the gradient of {name!r} is a {type(grad).__name__}, the parameters "
+                f"{type(self.shard).__name__}s: hand over arrays of the parameters' kind"
+            )
         if tuple(grad.shape) != tensor.shape:
-            return (f"the gradient of {name!r} has shape {tuple(grad.shape)}, its parameter "
-                    f"{tensor.shape}")
+            return (
+                f"the gradient of {name!r} has shape {tuple(grad.shape)}, its parameter "
+                f"{tensor.shape}"
+            )
         if grad.dtype != self._slots.dtype and grad.dtype != FP32:
-            return (f"the gradient of {name!r} is {grad.dtype}: hand over the parameters' "
-                    f"dtype ({self._slots.dtype}) or float32")
+            return (
+                f"the gradient of {name!r} is {grad.dtype}: hand over the parameters' "
+                f"dtype ({self._slots.dtype}) or float32"
+            )
         return None
 
     def _slot_for(self, index: int):
@@ -223,24 +276,29 @@ class GradientShards:
 
     def _start(self, index: int) -> None:
         """Start reducing bucket ``index``'s slot over the shard group."""
-        bucket, slot = self.layout.buckets[index], self._slot_of[index]
+        bucket = self.layout.buckets[index]
+        slot = cast(int, self._slot_of[index])  # a bucket started holds a slot (_slot_for)
         self._waiting.remove(index)
         self._slot_of[index] = None
-        self.order_digest = (self.order_digest * 31 + 7919 * (index + 1)
-                             + len(self._filled[index])) % (1 << 20)
-        grads = self._slots[slot, :bucket.size]
-        grads[bucket.used:] = 0
+        self.order_digest = (
+            self.order_digest * 31 + 7919 * (index + 1) + len(self._filled[index])
+        ) % (1 << 20)
+        grads = self._slots[slot, : bucket.size]
+        grads[bucket.used :] = 0
         for name in self._bucket_tensors[index]:  # a partial fill: zeros for the others
             if name not in self._filled[index]:
                 tensor = self._tensors[name]
-                grads[max(bucket.offset, tensor.offset) - bucket.offset:
-                      min(bucket.offset + bucket.used, tensor.offset + tensor.numel)
-                      - bucket.offset] = 0
+                grads[
+                    max(bucket.offset, tensor.offset) - bucket.offset : min(
+                        bucket.offset + bucket.used, tensor.offset + tensor.numel
+                    )
+                    - bucket.offset
+                ] = 0
         self._filled[index] = set()
         if self._comm.size == 1:
             request = None
         elif self._exchange:
-            request = self._comm.start_alltoall(grads, self._received[slot, :bucket.size])
+            request = self._comm.start_alltoall(grads, self._received[slot, : bucket.size])
         else:
             request = self._comm.start_reduce_scatter(grads)
         self._in_flight.append((index, slot, request))
@@ -254,17 +312,20 @@ class GradientShards:
             request.wait()
         shard, first = self.shard[bucket.state], not self._reduced[index]
         if self._exchange:
-            blocks = self._received[slot, :bucket.size].reshape(self._comm.size, -1)
+            blocks = self._received[slot, : bucket.size].reshape(self._comm.size, -1)
             if first and shard.dtype == FP32:
                 self._reductions.sum_blocks(blocks, shard)  # stage 1's sum, bit for bit
             else:
-                total = self._scratch[:bucket.shard_size]
+                total = self._scratch[: bucket.shard_size]
                 self._reductions.sum_blocks(blocks, total)
                 self._xp.add(total, shard, out=total, dtype=FP32)
                 shard[...] = total
         else:
-            block = self._slots[slot, :bucket.size] if self._comm.size == 1 else \
-                self._comm.reduced_block(self._slots[slot, :bucket.size])
+            block = (
+                self._slots[slot, : bucket.size]
+                if self._comm.size == 1
+                else self._comm.reduced_block(self._slots[slot, : bucket.size])
+            )
             if first:
                 shard[...] = block
             else:
@@ -278,7 +339,7 @@ class GradientShards:
         if shard.dtype == FP32 or shard.dtype == np.float16:
             self._replica_comm.allreduce_inplace(shard)
             return
-        total = self._scratch[:shard.size]
+        total = self._scratch[: shard.size]
         total[...] = shard
         self._replica_comm.allreduce_inplace(total)
         shard[...] = total

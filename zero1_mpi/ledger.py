@@ -24,26 +24,39 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
     layout, comm = state.layout, state.topology.comm
     psi, owned = layout.numel, layout.owned_real(state.shard_rank)
     grads = gradients.buffer
-    real = {"parameters": psi * state.dtype.itemsize,
-            "gradients": (owned if gradients.sharded else psi) * grads.dtype.itemsize,
-            "master_weights": 0 if state.master is None else owned * FP32_BYTES}
-    state_bytes = {name: owned * FP32_BYTES for name in state.state}
+    real = {
+        "parameters": psi * state.dtype.itemsize,
+        "gradients": (owned if gradients.sharded else psi) * grads.dtype.itemsize,
+        "master_weights": 0 if state.master is None else owned * FP32_BYTES,
+    }
+    state_bytes = dict.fromkeys(state.state, owned * FP32_BYTES)
     sharded = [a for a in (state.master, *state.state.values()) if a is not None]
     sharded_real = real["master_weights"] + sum(state_bytes.values())
     held = sum(a.nbytes for a in sharded)
     device = state.flat.nbytes + grads.nbytes + (0 if state.on_host else held)
-    padding = device - real["parameters"] - real["gradients"] \
-        - (0 if state.on_host else sharded_real)
+    padding = (
+        device - real["parameters"] - real["gradients"] - (0 if state.on_host else sharded_real)
+    )
     device_scratch, host_scratch = state.scratch_bytes()
     staging = comm.staging_bytes  # page-locked for CuPy parameters: the host's
     staged_on_host = staging if backend == "cupy" else 0
     return MemoryReport(
-        **real, state=state_bytes, padding=padding,
-        comm_scratch=gradients.scratch_bytes + reductions.scratch_bytes + device_scratch
-        + staging - staged_on_host,
-        psi=psi, group_size=layout.group_size, rank=state.shard_rank,
-        param_dtype=state.dtype.name, rule=state.rule.name, offloaded=state.on_host,
+        **real,
+        state=state_bytes,
+        padding=padding,
+        comm_scratch=gradients.scratch_bytes
+        + reductions.scratch_bytes
+        + device_scratch
+        + staging
+        - staged_on_host,
+        psi=psi,
+        group_size=layout.group_size,
+        rank=state.shard_rank,
+        param_dtype=state.dtype.name,
+        rule=state.rule.name,
+        offloaded=state.on_host,
         host_padding=held - sharded_real if state.on_host else 0,
         host_scratch=host_scratch + staged_on_host,
         grad_shard_dtype=grads.dtype.name if gradients.sharded else None,
-        checkpoint_buffer=persistence.snapshot_bytes)
+        checkpoint_buffer=persistence.snapshot_bytes,
+    )

@@ -25,8 +25,16 @@ from .memory import (
 )
 from .rules.registry import builtin_rules, get, rule_bytes_per_param, rule_states
 
-__all__ = ["DEFAULT_MOMENTUM", "DEFAULT_RANKS", "describe", "formulas", "main",
-           "momentum_arg", "param_count_arg", "table_options"]
+__all__ = [
+    "DEFAULT_MOMENTUM",
+    "DEFAULT_RANKS",
+    "describe",
+    "formulas",
+    "main",
+    "momentum_arg",
+    "param_count_arg",
+    "table_options",
+]
 
 #: The reference chapter's table: 7B parameters on these rank counts.
 DEFAULT_PARAMS, DEFAULT_RANKS = 7 * 10**9, (1, 4, 8, 16, 32, 64, 128)
@@ -56,25 +64,36 @@ def _stage1_label(k, param_dtype: str, offload: bool, divisor: str = "N") -> str
     return f"{replicated}+{_num(k)}Ψ/{divisor}"
 
 
-def table_options(rule: str = "adam", param_dtype: str = "float16",
-                  momentum: float = DEFAULT_MOMENTUM, offload: bool = False) -> dict:
+def table_options(
+    rule: str = "adam",
+    param_dtype: str = "float16",
+    momentum: float = DEFAULT_MOMENTUM,
+    offload: bool = False,
+) -> dict:
     """``format_table``'s keywords for a rule: ``k`` and a ``label`` naming the class, K and
     stage 1's formula (none for Adam on 16-bit params: the reference chapter's title)."""
     k = _k(rule, param_dtype, momentum)
-    options = {"k": k}
+    options: dict[str, object] = {"k": k}
     if param_dtype != "float16":
         options["param_dtype"] = param_dtype
     if offload:
         options["offload"] = True
     if rule != "adam" or param_dtype in FP32_DTYPES:
-        options["label"] = (f"{describe(rule, momentum)}, K = {k} (stage 1: "
-                            f"{_stage1_label(k, param_dtype, offload)})")
+        options["label"] = (
+            f"{describe(rule, momentum)}, K = {k} (stage 1: "
+            f"{_stage1_label(k, param_dtype, offload)})"
+        )
     return options
 
 
-def formulas(rule: str = "adam", param_dtype: str = "float16",
-             momentum: float = DEFAULT_MOMENTUM, offload: bool = False,
-             shard_group: int | None = None, params=None) -> str:
+def formulas(
+    rule: str = "adam",
+    param_dtype: str = "float16",
+    momentum: float = DEFAULT_MOMENTUM,
+    offload: bool = False,
+    shard_group: int | None = None,
+    params=None,
+) -> str:
     """The table's formulas in words, one line per stage (``params``: Ψ, named if given)."""
     states = rule_states(rule, momentum != 0)
     k = _k(rule, param_dtype, momentum)
@@ -82,25 +101,46 @@ def formulas(rule: str = "adam", param_dtype: str = "float16",
     p = g = 4 if fp32 else 2
     held = ", ".join(([] if fp32 else ["fp32 master"]) + list(states)) or "nothing"
     n = "N" if shard_group is None else "G"
-    over = ("N ranks" if shard_group is None else
-            f"G = {shard_group} ranks (replicated across the N/G groups)")
+    over = (
+        "N ranks"
+        if shard_group is None
+        else f"G = {shard_group} ranks (replicated across the N/G groups)"
+    )
     where = ", on the host" if offload else ""
-    own = ("" if not fp32 else "; offloaded, a 4-byte fp32 master joins them on the host"
-           if offload else " (float32 params are their own master)")
+    own = (
+        ""
+        if not fp32
+        else "; offloaded, a 4-byte fp32 master joins them on the host"
+        if offload
+        else " (float32 params are their own master)"
+    )
     psi = "" if params is None else f" = {format_param_count(params)}"
-    rows = [("Baseline", f"{p}Ψ+{g}Ψ+{_num(k)}Ψ = {_num(p + g + k)}Ψ",
-             "plain data parallelism: all of it on every rank"),
-            ("Stage 1", _stage1_label(k, param_dtype, offload, n),
-             f"zero1_mpi: {param_dtype} params, grads on every rank; K sharded over "
-             + over + where),
-            ("Stage 2", f"{p}Ψ+{_num(g + k)}Ψ/{n}",
-             "zero1_mpi with shard_gradients=True: the grads sharded too"),
-            ("Stage 3", f"{_num(p + g + k)}Ψ/{n}", "for reference: params, grads, state sharded")]
+    rows = [
+        (
+            "Baseline",
+            f"{p}Ψ+{g}Ψ+{_num(k)}Ψ = {_num(p + g + k)}Ψ",
+            "plain data parallelism: all of it on every rank",
+        ),
+        (
+            "Stage 1",
+            _stage1_label(k, param_dtype, offload, n),
+            f"zero1_mpi: {param_dtype} params, grads on every rank; K sharded over " + over + where,
+        ),
+        (
+            "Stage 2",
+            f"{p}Ψ+{_num(g + k)}Ψ/{n}",
+            "zero1_mpi with shard_gradients=True: the grads sharded too",
+        ),
+        ("Stage 3", f"{_num(p + g + k)}Ψ/{n}", "for reference: params, grads, state sharded"),
+    ]
     width = max(len(formula) for _, formula, _ in rows) + 3
-    head = (f"Per rank, Ψ{psi} parameters, N ranks; K = {_num(k)} bytes per parameter "
-            f"sharded: {held}{own}")
-    return "\n".join([head] + [f"  {name:<10}{formula:<{width}}{words}"
-                               for name, formula, words in rows])
+    head = (
+        f"Per rank, Ψ{psi} parameters, N ranks; K = {_num(k)} bytes per parameter "
+        f"sharded: {held}{own}"
+    )
+    return "\n".join(
+        [head] + [f"  {name:<10}{formula:<{width}}{words}" for name, formula, words in rows]
+    )
 
 
 def param_count_arg(text: str) -> int:
@@ -116,8 +156,9 @@ def _rank_counts(text: str) -> list[int]:
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rank count >= 1; write e.g. 64, "
-                                         f"8 64 or 8,64")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a rank count >= 1; write e.g. 64, 8 64 or 8,64"
+        )
     return counts
 
 
@@ -151,31 +192,63 @@ def main(argv=None) -> int:
     (argparse exits with status 2 on bad input)."""
     names = tuple(builtin_rules())
     parser = argparse.ArgumentParser(
-        prog=_prog(), usage="%(prog)s [-h] [--params PSI] [--ranks N [N ...]] [--rule RULE] "
-                            "[options]",
+        prog=_prog(),
+        usage="%(prog)s [-h] [--params PSI] [--ranks N [N ...]] [--rule RULE] [options]",
         description="Per-rank memory of ZeRO data parallelism (GB = 1e9 bytes): baseline, "
-                    "stages 1 and 2 (zero1_mpi; 2 with shard_gradients=True), and stage 3 "
-                    "for reference.")
-    parser.add_argument("--params", type=param_count_arg, default=DEFAULT_PARAMS, metavar="PSI",
-                        help="parameter count Ψ: 7B, 1.5B, 350M, 125000000, 1.3e9 (default 7B)")
-    parser.add_argument("--ranks", type=_rank_counts, nargs="+", default=None, metavar="N",
-                        help="rank counts, a table row each: 64, or 8 64, or 8,64 (default "
-                             f"{' '.join(map(str, DEFAULT_RANKS))})")
-    parser.add_argument("--rule", choices=names, default="adam",
-                        help="update rule: its bytes per parameter K of the sharded part "
-                             "(default adam: K = 12 on 16-bit params)")
-    parser.add_argument("--momentum", type=momentum_arg, default=None,
-                        help=f"SGD's momentum (default {DEFAULT_MOMENTUM:g}; 0: no momentum "
-                             f"buffer); only with --rule sgd")
-    parser.add_argument("--param-dtype", choices=MIXED_DTYPES + FP32_DTYPES, default="float16",
-                        help="parameter (and gradient) dtype (default float16; bfloat16 takes "
-                             "the same bytes; float32 params are their own master)")
-    parser.add_argument("--offload", choices=("cpu",), default=None,
-                        help="stage 1's master weights and state on the host: adds its device "
-                             "and host columns")
-    parser.add_argument("--shard-group-size", type=_positive, default=None, metavar="G",
-                        help="hierarchical sharding: the state sharded over groups of G ranks, "
-                             "replicated across groups (each N must be a multiple of G)")
+        "stages 1 and 2 (zero1_mpi; 2 with shard_gradients=True), and stage 3 "
+        "for reference.",
+    )
+    parser.add_argument(
+        "--params",
+        type=param_count_arg,
+        default=DEFAULT_PARAMS,
+        metavar="PSI",
+        help="parameter count Ψ: 7B, 1.5B, 350M, 125000000, 1.3e9 (default 7B)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=_rank_counts,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="rank counts, a table row each: 64, or 8 64, or 8,64 (default "
+        f"{' '.join(map(str, DEFAULT_RANKS))})",
+    )
+    parser.add_argument(
+        "--rule",
+        choices=names,
+        default="adam",
+        help="update rule: its bytes per parameter K of the sharded part "
+        "(default adam: K = 12 on 16-bit params)",
+    )
+    parser.add_argument(
+        "--momentum",
+        type=momentum_arg,
+        default=None,
+        help=f"SGD's momentum (default {DEFAULT_MOMENTUM:g}; 0: no momentum "
+        f"buffer); only with --rule sgd",
+    )
+    parser.add_argument(
+        "--param-dtype",
+        choices=MIXED_DTYPES + FP32_DTYPES,
+        default="float16",
+        help="parameter (and gradient) dtype (default float16; bfloat16 takes "
+        "the same bytes; float32 params are their own master)",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=("cpu",),
+        default=None,
+        help="stage 1's master weights and state on the host: adds its device and host columns",
+    )
+    parser.add_argument(
+        "--shard-group-size",
+        type=_positive,
+        default=None,
+        metavar="G",
+        help="hierarchical sharding: the state sharded over groups of G ranks, "
+        "replicated across groups (each N must be a multiple of G)",
+    )
     args = parser.parse_args(argv)
 
     if args.momentum is not None and args.rule != "sgd":
@@ -188,11 +261,19 @@ def main(argv=None) -> int:
             ranks = [n for n in ranks if n % group == 0] or [group]
         bad = [n for n in ranks if n % group]
         if bad:
-            parser.error(f"--shard-group-size {group} does not divide --ranks "
-                         f"{' '.join(map(str, bad))}: pass multiples of {group}")
+            parser.error(
+                f"--shard-group-size {group} does not divide --ranks "
+                f"{' '.join(map(str, bad))}: pass multiples of {group}"
+            )
     offload = args.offload == "cpu"
-    print(format_table(args.params, ranks, shard_group=group,
-                       **table_options(args.rule, args.param_dtype, momentum, offload)))
+    print(
+        format_table(
+            args.params,
+            ranks,
+            shard_group=group,
+            **table_options(args.rule, args.param_dtype, momentum, offload),
+        )
+    )
     print()
     print(formulas(args.rule, args.param_dtype, momentum, offload, group, args.params))
     return 0

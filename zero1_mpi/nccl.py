@@ -27,11 +27,15 @@ def _nccl():
     try:
         from cupy.cuda import nccl
     except ImportError as exc:
-        raise ImportError("NcclCommunicator needs CuPy built with NCCL: pip install "
-                          "'zero1-mpi[cuda12,nccl12]' (or [cuda13,nccl13])") from exc
+        raise ImportError(
+            "NcclCommunicator needs CuPy built with NCCL: pip install "
+            "'zero1-mpi[cuda12,nccl12]' (or [cuda13,nccl13])"
+        ) from exc
     if not getattr(nccl, "available", True):  # CuPy imports it even where libnccl is missing
-        raise ImportError("NcclCommunicator needs the NCCL library, which CuPy did not find: "
-                          "pip install 'zero1-mpi[nccl12]' (or [nccl13], matching CuPy's CUDA)")
+        raise ImportError(
+            "NcclCommunicator needs the NCCL library, which CuPy did not find: "
+            "pip install 'zero1-mpi[nccl12]' (or [nccl13], matching CuPy's CUDA)"
+        )
     return nccl
 
 
@@ -49,8 +53,11 @@ class NcclCommunicator(Communicator):
         error = None
         try:
             nccl = _nccl()
-            self._types = {"float32": nccl.NCCL_FLOAT32, "float16": nccl.NCCL_FLOAT16,
-                           "bfloat16": getattr(nccl, "NCCL_BFLOAT16", None)}
+            self._types = {
+                "float32": nccl.NCCL_FLOAT32,
+                "float16": nccl.NCCL_FLOAT16,
+                "bfloat16": getattr(nccl, "NCCL_BFLOAT16", None),
+            }
             self._bytes_type, self._sum = nccl.NCCL_UINT8, nccl.NCCL_SUM
             self._group = (nccl.groupStart, nccl.groupEnd)
             device = (socket.gethostname(), backend.xp_for("cupy").cuda.Device().pci_bus_id)
@@ -59,8 +66,10 @@ class NcclCommunicator(Communicator):
         self.agree(error)
         self.agree(shared_gpu_error(self.allgather_objects(device)))
         uid = exchange_unique_id(self, nccl.get_unique_id)
-        self.nccl = self.collective_call(lambda: nccl.NcclCommunicator(self.size, uid, self.rank),
-                                         "NCCL's communicator initialisation")
+        self.nccl = self.collective_call(
+            lambda: nccl.NcclCommunicator(self.size, uid, self.rank),
+            "NCCL's communicator initialisation",
+        )
         self.stream = backend.xp_for("cupy").cuda.Stream(non_blocking=True)
 
     def free(self) -> None:
@@ -76,9 +85,11 @@ class NcclCommunicator(Communicator):
     def split(self, color: int) -> Communicator:
         """Not available: raises NotImplementedError (an NCCL communicator per group is not
         built yet)."""
-        raise NotImplementedError("NcclCommunicator cannot split into sub-communicators, so "
-                                  "it cannot run hierarchical sharding (shard_group_size): "
-                                  "shard over all ranks, or use zero1_mpi.Communicator (MPI)")
+        raise NotImplementedError(
+            "NcclCommunicator cannot split into sub-communicators, so "
+            "it cannot run hierarchical sharding (shard_group_size): "
+            "shard over all ranks, or use zero1_mpi.Communicator (MPI)"
+        )
 
     # Device buffers through NCCL; host buffers (tests, checkpoints) through MPI as before.
 
@@ -91,15 +102,16 @@ class NcclCommunicator(Communicator):
         if not backend.is_device_array(buf):
             return super().reduce_scatter_sum(buf)
         block = self.reduced_block(buf)  # NCCL in place: recvbuff = sendbuff + rank * count
-        self.nccl.reduceScatter(_ptr(buf), _ptr(block), block.size, self._type(buf), self._sum,
-                                _stream())
+        self.nccl.reduceScatter(
+            _ptr(buf), _ptr(block), block.size, self._type(buf), self._sum, _stream()
+        )
         return block
 
     def reduced_block(self, buf):
         if not backend.is_device_array(buf):
             return super().reduced_block(buf)
         count = buf.size // self.size
-        return buf[self.rank * count:(self.rank + 1) * count]
+        return buf[self.rank * count : (self.rank + 1) * count]
 
     def alltoall(self, send, recv) -> None:
         if not backend.is_device_array(send):
@@ -116,8 +128,9 @@ class NcclCommunicator(Communicator):
         if not backend.is_device_array(buf):
             return super().allgather_inplace(buf)
         block = buf.nbytes // self.size
-        self.nccl.allGather(_ptr(buf) + self.rank * block, _ptr(buf), block, self._bytes_type,
-                            _stream())
+        self.nccl.allGather(
+            _ptr(buf) + self.rank * block, _ptr(buf), block, self._bytes_type, _stream()
+        )
 
     def start_reduce_scatter(self, buf) -> Request:
         if not backend.is_device_array(buf):
@@ -190,7 +203,7 @@ def _ptr(buf) -> int:
 def shared_gpu_error(devices: list) -> RuntimeError | None:
     """The error for the first GPU that two ranks would share, from each rank's ``(host, PCI
     bus id)`` in rank order; None when every rank has a GPU of its own."""
-    first = {}
+    first: dict[tuple, int] = {}  # (host, bus) -> the first rank on it
     for rank, device in enumerate(devices):
         if device in first:
             host, bus = device
@@ -199,7 +212,8 @@ def shared_gpu_error(devices: list) -> RuntimeError | None:
                 "refuses two ranks on one GPU ('Duplicate GPU detected', since NCCL 2.5). Run "
                 "as many ranks per node as it has GPUs, each on the GPU of its node-local rank "
                 "(zero1_mpi.backend.use_device), or let ranks share GPUs through "
-                "zero1_mpi.Communicator (MPI, staged or CUDA-aware)")
+                "zero1_mpi.Communicator (MPI, staged or CUDA-aware)"
+            )
         first[device] = rank
     return None
 

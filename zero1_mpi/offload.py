@@ -15,6 +15,7 @@ import functools
 import os
 import weakref
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -36,8 +37,10 @@ def resolve_threads(value, local_ranks: int) -> int:
             usable //= max(1, local_ranks)
         return max(1, usable)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"offload_threads={value!r} must be an integer >= 1 (or None: the "
-                         "cores this rank may use)")
+        raise ValueError(
+            f"offload_threads={value!r} must be an integer >= 1 (or None: the "
+            "cores this rank may use)"
+        )
     return value
 
 
@@ -60,6 +63,7 @@ class ThreadedKernel:
             # with it a JAX process (XLA 0.10) sometimes aborted at exit ("terminate called
             # without an active exception"), in about 1 run of 20.
             from concurrent.futures import ThreadPoolExecutor
+
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zero1-offload")
             weakref.finalize(self, self._pool.shutdown, wait=False)
 
@@ -79,13 +83,21 @@ class ThreadedKernel:
 
     def __call__(self, grad, master, *states_param_scalars) -> None:
         *arrays, scalars = states_param_scalars
-        self._split(master.size, lambda kernel, s: kernel(
-            grad[s], master[s], *(None if a is None else a[s] for a in arrays), scalars))
+        self._split(
+            master.size,
+            lambda kernel, s: kernel(
+                grad[s], master[s], *(None if a is None else a[s] for a in arrays), scalars
+            ),
+        )
 
     def apply(self, master, *states_param_scalars) -> None:
         *arrays, scalars = states_param_scalars
-        self._split(master.size, lambda kernel, s: kernel.apply(
-            master[s], *(None if a is None else a[s] for a in arrays), scalars))
+        self._split(
+            master.size,
+            lambda kernel, s: kernel.apply(
+                master[s], *(None if a is None else a[s] for a in arrays), scalars
+            ),
+        )
 
     def tensor_sums(self, grad, master, *states_scalars):
         return self._kernels[0].tensor_sums(grad, master, *states_scalars)
@@ -100,17 +112,20 @@ class ThreadedKernel:
         def run(worker: int) -> None:
             for index in range(worker, len(calls), self.threads):
                 results[index] = self._kernels[worker].tensor_sums(*calls[index])
+
         _all(self._pool.submit(run, worker) for worker in range(min(self.threads, len(calls))))
         return results
 
     def _split(self, n: int, work) -> None:
         parts = min(self.threads, max(1, n // self.MIN_ELEMENTS))
-        if parts == 1:
+        if parts == 1 or self._pool is None:  # (parts > 1: threads > 1, which have a pool)
             work(self._kernels[0], slice(0, n))
             return
         bounds = [n * i // parts for i in range(parts + 1)]
-        _all(self._pool.submit(work, self._kernels[i], slice(bounds[i], bounds[i + 1]))
-             for i in range(parts))
+        _all(
+            self._pool.submit(work, self._kernels[i], slice(bounds[i], bounds[i + 1]))
+            for i in range(parts)
+        )
 
 
 def _all(futures) -> None:
@@ -151,9 +166,10 @@ class HostShard:
         self.params16 = self._host(n, params.dtype, pinned=True) if mixed else None
         largest = max(b.shard_size for b in layout.buckets)
         # A reduced gradient shard is at most fp32 (16-bit ones are summed in fp32).
-        self._slots = [backend.pinned_empty(largest * FP32.itemsize, self._device)
-                       for _ in range(2)]
-        self._pushed = deque()  # (bucket index, event or None), oldest first
+        self._slots = [
+            backend.pinned_empty(largest * FP32.itemsize, self._device) for _ in range(2)
+        ]
+        self._pushed: deque[tuple[int, Any]] = deque()  # (bucket, event or None), oldest first
         if self._device:
             cupy = backend.xp_for("cupy")
             self._to_host = cupy.cuda.Stream(non_blocking=True)
@@ -174,8 +190,9 @@ class HostShard:
     @property
     def scratch_bytes(self) -> int:
         """Bytes of the copy buffers: the two gradient slots and the 16-bit output."""
-        return sum(slot.nbytes for slot in self._slots) + \
-            (0 if self.params16 is None else self.params16.nbytes)
+        return sum(slot.nbytes for slot in self._slots) + (
+            0 if self.params16 is None else self.params16.nbytes
+        )
 
     def fetched(self, reduced):
         """Yield ``(bucket, host copy of its reduced gradient shard)`` in bucket order, the
@@ -226,7 +243,7 @@ class HostShard:
             self._to_device.wait_event(done)
 
     def _fetch(self, index: int, reduced) -> None:
-        slot = self._slots[index % 2][:reduced.nbytes]
+        slot = self._slots[index % 2][: reduced.nbytes]
         if self._device:
             reduced.view(np.uint8).get(stream=self._to_host, out=slot, blocking=False)
             self._to_host.record(self._fetches[index % 2])
@@ -236,7 +253,7 @@ class HostShard:
     def _fetched(self, index: int, reduced) -> np.ndarray:
         if self._device:
             self._fetches[index % 2].synchronize()
-        return self._slots[index % 2][:reduced.nbytes].view(backend.host_dtype(reduced))
+        return self._slots[index % 2][: reduced.nbytes].view(backend.host_dtype(reduced))
 
     def _complete(self, keep: int) -> list[int]:
         done = []

@@ -16,8 +16,9 @@ import difflib
 import inspect
 import math
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,9 +29,19 @@ from .scaler import LossScaler
 from .topology import resolve_shard_group_size
 from .watchdog import check_step_timeout
 
-__all__ = ["Option", "OPTIONS", "EngineOptions", "check_options", "signature_parameters",
-           "docstring_section", "markdown", "describe", "MARKERS", "DEFAULT_STAGING",
-           "REDUCE_DTYPES"]
+__all__ = [
+    "Option",
+    "OPTIONS",
+    "EngineOptions",
+    "check_options",
+    "signature_parameters",
+    "docstring_section",
+    "markdown",
+    "describe",
+    "MARKERS",
+    "DEFAULT_STAGING",
+    "REDUCE_DTYPES",
+]
 
 REDUCE_DTYPES = ("float32", "float16")
 #: Staging buckets of stage 2: one bucket filling while the one before it is reduced (the
@@ -62,10 +73,15 @@ def _loss_scale(value, checked):
 def _max_grad_norm(value, checked):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"max_grad_norm={value!r} must be a finite number > 0, or None for "
-                         "no clipping")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"max_grad_norm={value!r} must be a finite number > 0, or None for no clipping"
+        )
     return float(value)
 
 
@@ -75,12 +91,16 @@ def _reduce_dtype(value, checked):
     except TypeError:
         name = None
     if name not in REDUCE_DTYPES:
-        raise ValueError(f"reduce_dtype={value!r} is not supported: use 'float32' (default) or "
-                         "'float16' (float16 parameters only)")
+        raise ValueError(
+            f"reduce_dtype={value!r} is not supported: use 'float32' (default) or "
+            "'float16' (float16 parameters only)"
+        )
     dtype = checked["param_dtype"]
     if name == "float16" and dtype != np.float16:
-        raise ValueError(f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
-                         f"{dtype.name}: use reduce_dtype='float32'")
+        raise ValueError(
+            f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
+            f"{dtype.name}: use reduce_dtype='float32'"
+        )
     return name
 
 
@@ -90,8 +110,10 @@ def _bucket_elements(value, checked):
 
 def _cuda_aware(value, checked):
     if value is not None and checked["comm_given"]:
-        raise ValueError("cuda_aware= applies to a communicator this optimizer builds: pass it "
-                         "to the Communicator you built instead")
+        raise ValueError(
+            "cuda_aware= applies to a communicator this optimizer builds: pass it "
+            "to the Communicator you built instead"
+        )
     return value  # checked by the Communicator built with it
 
 
@@ -102,48 +124,58 @@ def _shard_group_size(value, checked):
 
 def _offload(value, checked):
     if value is not None and value != "cpu":
-        raise ValueError(f"offload={value!r} is not understood: use 'cpu' (master weights and "
-                         "the rule's state on the host) or None (all on the parameters' device)")
+        raise ValueError(
+            f"offload={value!r} is not understood: use 'cpu' (master weights and "
+            "the rule's state on the host) or None (all on the parameters' device)"
+        )
     return value
 
 
 def _offload_threads(value, checked):
     if checked["offload"] is None:
         if value is not None:
-            raise ValueError(f"offload_threads={value!r} sets the host kernel's threads, which "
-                             "only offload='cpu' has: pass offload='cpu' too, or drop it")
+            raise ValueError(
+                f"offload_threads={value!r} sets the host kernel's threads, which "
+                "only offload='cpu' has: pass offload='cpu' too, or drop it"
+            )
         return None
     return resolve_threads(value, len(checked["node"]))
 
 
 def _shard_gradients(value, checked):
     if not isinstance(value, bool):
-        raise ValueError(f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients "
-                         "sharded too) or False")
+        raise ValueError(
+            f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients sharded too) or False"
+        )
     if value and checked["offload"] is not None:
-        raise ValueError("shard_gradients=True with offload='cpu' is not supported yet: "
-                         "choose one")
+        raise ValueError("shard_gradients=True with offload='cpu' is not supported yet: choose one")
     return value
 
 
 def _grad_shard_dtype(value, checked):
     if not checked["shard_gradients"]:
         if value is not None:
-            raise ValueError(f"grad_shard_dtype={value!r} sets the gradient shard of "
-                             "shard_gradients=True: pass that too, or drop it")
+            raise ValueError(
+                f"grad_shard_dtype={value!r} sets the gradient shard of "
+                "shard_gradients=True: pass that too, or drop it"
+            )
         return None
     if value is None:
         return checked["param_dtype"]
     if value not in ("float32", np.float32) and getattr(value, "name", None) != "float32":
-        raise ValueError(f"grad_shard_dtype={value!r} is not supported: None (the "
-                         "parameters' dtype) or 'float32'")
+        raise ValueError(
+            f"grad_shard_dtype={value!r} is not supported: None (the "
+            "parameters' dtype) or 'float32'"
+        )
     return np.dtype(np.float32)
 
 
 def _grad_staging(value, checked):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"grad_staging={value!r} must be an integer >= 1 (staging buckets of "
-                         f"gradients; default {DEFAULT_STAGING})")
+        raise ValueError(
+            f"grad_staging={value!r} must be an integer >= 1 (staging buckets of "
+            f"gradients; default {DEFAULT_STAGING})"
+        )
     return value
 
 
@@ -152,66 +184,129 @@ def _step_timeout(value, checked):
 
 
 OPTIONS = (
-    Option("param_dtype", "str | None", None, _param_dtype,
-           doc="``'float32'``, ``'float16'`` or ``'bfloat16'`` (``ml_dtypes.bfloat16``); "
-               "default: the arrays' dtype. For fp32 parameters the owned shard of the "
-               "parameter buffer is its own master copy (4Ψ + 4Ψ + 8Ψ/N bytes for Adam)."),
-    Option("loss_scale", "float | str | LossScaler | None", None, _loss_scale,
-           doc="None (no scaling), a number (fixed), ``'dynamic'`` (start 2^16, x2 after 2000 "
-               "good steps, x0.5 on overflow, minimum 1) or "
-               "``LossScaler.dynamic_scaler(...)``. Multiply the loss by ``opt.loss_scale`` "
-               "before backward."),
-    Option("max_grad_norm", "float | None", None, _max_grad_norm,
-           doc="clip the averaged gradient to this global L2 norm (None: no clipping), as "
-               "``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient; each rank "
-               "sums the squares of its shard, the step's one ``Allreduce`` adds them."),
-    Option("reduce_dtype", "str", "float32", _reduce_dtype,
-           doc="precision of the gradient sum over ranks. ``'float32'``: fp32 gradients with "
-               "``Reduce_scatter_block``, 16-bit ones exchanged with ``Alltoall`` and summed "
-               "locally in fp32 in rank order (deterministic; MPI has no bf16 type). "
-               "``'float16'`` (float16 gradients only): MPI's own fp16 sum, slower with MPICH, "
-               "rounded at every partial sum and able to overflow before the division by N."),
-    Option("bucket_elements", "int", DEFAULT_BUCKET_ELEMENTS, _bucket_elements,
-           doc="size of a communication bucket, in elements; it bounds the communication "
-               "scratch."),
-    Option("cuda_aware", "bool | None", None, _cuda_aware,
-           doc="whether MPI takes GPU buffers; None asks the environment and MPI "
-               "(docs/gpus.md). For a communicator this optimizer builds: pass it to a "
-               "``Communicator`` you build instead."),
-    Option("shard_group_size", "int | str | None", None, _shard_group_size,
-           doc="hierarchical sharding (docs/clusters.md): None shards the state over all N "
-               "ranks; an integer K that divides N over groups of K consecutive ranks, "
-               "replicated across the N/K groups; ``'node'``: K = the ranks that share memory "
-               "(placed by node). Gradients are reduce-scattered within a group and summed "
-               "across the groups, parameters all-gathered within the group. "
-               "``opt.shard_group_size`` (K), ``opt.shard_rank`` and ``opt.replicas`` (N/K) "
-               "tell what was chosen."),
-    Option("offload", "str | None", None, _offload,
-           doc="``'cpu'``: keep the fp32 master weights and the rule's state of this rank's "
-               "shard on the host and update them there with the CPU kernel (ZeRO-Offload, "
-               "docs/memory.md), the device holding the parameters, gradients and "
-               "communication scratch; the copies and the host kernel of neighbouring buckets "
-               "overlap. None: all with the parameters."),
-    Option("offload_threads", "int | None", None, _offload_threads,
-           doc="the host kernel's threads with ``offload='cpu'`` (None: the cores this rank "
-               "may use)."),
-    Option("shard_gradients", "bool", False, _shard_gradients,
-           doc="ZeRO stage 2: no rank holds the full gradient. Hand each tensor's gradient "
-               "over with ``add_grad(name, grad)`` (once per micro-batch, in the same order on "
-               "every rank) instead of writing ``grads``; a bucket is reduced into this rank's "
-               "gradient shard as soon as its last tensor is in, through a few staging "
-               "buckets (``grad_staging``); the shard sums the micro-batches of a step."),
-    Option("grad_shard_dtype", "str | None", None, _grad_shard_dtype,
-           doc="the gradient shard's dtype with ``shard_gradients``: None (the parameters') "
-               "or ``'float32'`` (16-bit parameters: the exact fp32 sums, 2 bytes a parameter "
-               "more per rank over N)."),
-    Option("grad_staging", "int", DEFAULT_STAGING, _grad_staging,
-           doc="staging buckets with ``shard_gradients`` (at least 1)."),
-    Option("step_timeout", "float | None", None, _step_timeout,
-           doc="seconds a ``step()`` may wait for its collectives (the reduction and "
-               "agreement; then the gathers, and ``wait()``'s; stage 2 reductions in "
-               "``add_grad``) before the job is ended with a line naming the rank, step, phase "
-               "and bucket, then MPI Abort (docs/clusters.md). None: no watchdog."),
+    Option(
+        "param_dtype",
+        "str | None",
+        None,
+        _param_dtype,
+        doc="``'float32'``, ``'float16'`` or ``'bfloat16'`` (``ml_dtypes.bfloat16``); "
+        "default: the arrays' dtype. For fp32 parameters the owned shard of the "
+        "parameter buffer is its own master copy (4Ψ + 4Ψ + 8Ψ/N bytes for Adam).",
+    ),
+    Option(
+        "loss_scale",
+        "float | str | LossScaler | None",
+        None,
+        _loss_scale,
+        doc="None (no scaling), a number (fixed), ``'dynamic'`` (start 2^16, x2 after 2000 "
+        "good steps, x0.5 on overflow, minimum 1) or "
+        "``LossScaler.dynamic_scaler(...)``. Multiply the loss by ``opt.loss_scale`` "
+        "before backward.",
+    ),
+    Option(
+        "max_grad_norm",
+        "float | None",
+        None,
+        _max_grad_norm,
+        doc="clip the averaged gradient to this global L2 norm (None: no clipping), as "
+        "``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient; each rank "
+        "sums the squares of its shard, the step's one ``Allreduce`` adds them.",
+    ),
+    Option(
+        "reduce_dtype",
+        "str",
+        "float32",
+        _reduce_dtype,
+        doc="precision of the gradient sum over ranks. ``'float32'``: fp32 gradients with "
+        "``Reduce_scatter_block``, 16-bit ones exchanged with ``Alltoall`` and summed "
+        "locally in fp32 in rank order (deterministic; MPI has no bf16 type). "
+        "``'float16'`` (float16 gradients only): MPI's own fp16 sum, slower with MPICH, "
+        "rounded at every partial sum and able to overflow before the division by N.",
+    ),
+    Option(
+        "bucket_elements",
+        "int",
+        DEFAULT_BUCKET_ELEMENTS,
+        _bucket_elements,
+        doc="size of a communication bucket, in elements; it bounds the communication scratch.",
+    ),
+    Option(
+        "cuda_aware",
+        "bool | None",
+        None,
+        _cuda_aware,
+        doc="whether MPI takes GPU buffers; None asks the environment and MPI "
+        "(docs/gpus.md). For a communicator this optimizer builds: pass it to a "
+        "``Communicator`` you build instead.",
+    ),
+    Option(
+        "shard_group_size",
+        "int | str | None",
+        None,
+        _shard_group_size,
+        doc="hierarchical sharding (docs/clusters.md): None shards the state over all N "
+        "ranks; an integer K that divides N over groups of K consecutive ranks, "
+        "replicated across the N/K groups; ``'node'``: K = the ranks that share memory "
+        "(placed by node). Gradients are reduce-scattered within a group and summed "
+        "across the groups, parameters all-gathered within the group. "
+        "``opt.shard_group_size`` (K), ``opt.shard_rank`` and ``opt.replicas`` (N/K) "
+        "tell what was chosen.",
+    ),
+    Option(
+        "offload",
+        "str | None",
+        None,
+        _offload,
+        doc="``'cpu'``: keep the fp32 master weights and the rule's state of this rank's "
+        "shard on the host and update them there with the CPU kernel (ZeRO-Offload, "
+        "docs/memory.md), the device holding the parameters, gradients and "
+        "communication scratch; the copies and the host kernel of neighbouring buckets "
+        "overlap. None: all with the parameters.",
+    ),
+    Option(
+        "offload_threads",
+        "int | None",
+        None,
+        _offload_threads,
+        doc="the host kernel's threads with ``offload='cpu'`` (None: the cores this rank may use).",
+    ),
+    Option(
+        "shard_gradients",
+        "bool",
+        False,
+        _shard_gradients,
+        doc="ZeRO stage 2: no rank holds the full gradient. Hand each tensor's gradient "
+        "over with ``add_grad(name, grad)`` (once per micro-batch, in the same order on "
+        "every rank) instead of writing ``grads``; a bucket is reduced into this rank's "
+        "gradient shard as soon as its last tensor is in, through a few staging "
+        "buckets (``grad_staging``); the shard sums the micro-batches of a step.",
+    ),
+    Option(
+        "grad_shard_dtype",
+        "str | None",
+        None,
+        _grad_shard_dtype,
+        doc="the gradient shard's dtype with ``shard_gradients``: None (the parameters') "
+        "or ``'float32'`` (16-bit parameters: the exact fp32 sums, 2 bytes a parameter "
+        "more per rank over N).",
+    ),
+    Option(
+        "grad_staging",
+        "int",
+        DEFAULT_STAGING,
+        _grad_staging,
+        doc="staging buckets with ``shard_gradients`` (at least 1).",
+    ),
+    Option(
+        "step_timeout",
+        "float | None",
+        None,
+        _step_timeout,
+        doc="seconds a ``step()`` may wait for its collectives (the reduction and "
+        "agreement; then the gathers, and ``wait()``'s; stage 2 reductions in "
+        "``add_grad``) before the job is ended with a line naming the rank, step, phase "
+        "and bucket, then MPI Abort (docs/clusters.md). None: no watchdog.",
+    ),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 
@@ -223,6 +318,10 @@ class EngineOptions:
 
     def __init__(self, values: dict):
         self.__dict__.update(values)
+
+    if TYPE_CHECKING:  # for type checkers: the attributes are OPTIONS' names, declared there
+
+        def __getattr__(self, name: str) -> Any: ...
 
     def agreed(self) -> dict:
         """The values every rank must share, as plain values (compared across ranks)."""
@@ -249,8 +348,12 @@ def check_options(given: dict, context: dict) -> EngineOptions:
 
 def signature_parameters() -> list[inspect.Parameter]:
     """The options as keyword-only parameters, with their defaults and types."""
-    return [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
-                              annotation=o.type) for o in OPTIONS]
+    return [
+        inspect.Parameter(
+            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type
+        )
+        for o in OPTIONS
+    ]
 
 
 def docstring_section(indent: int = 4) -> str:
@@ -258,23 +361,34 @@ def docstring_section(indent: int = 4) -> str:
     pad = " " * indent
     lines = [f"{pad}Engine options (keyword-only):"]
     for o in OPTIONS:
-        lines += textwrap.wrap(f"{o.name}: {o.doc}", 96 - indent, initial_indent=pad * 2,
-                               subsequent_indent=pad * 3, break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"{o.name}: {o.doc}",
+            96 - indent,
+            initial_indent=pad * 2,
+            subsequent_indent=pad * 3,
+            break_on_hyphens=False,
+        )
     return "\n".join(lines)
 
 
 #: The lines of docs/api.md between which ``markdown()`` stands (tools/docs_options.py).
-MARKERS = ("<!-- engine options: generated from zero1_mpi.options.OPTIONS -->",
-           "<!-- end of engine options -->")
+MARKERS = (
+    "<!-- engine options: generated from zero1_mpi.options.OPTIONS -->",
+    "<!-- end of engine options -->",
+)
 
 
 def markdown() -> str:
     """The options as the Markdown list of docs/api.md (between its ``MARKERS``)."""
     return "\n".join(
-        textwrap.fill(f"- `{o.name}` (`{o.type}`, default `{o.default!r}`): "
-                      f"{o.doc.replace('``', '`')}", 96, subsequent_indent="  ",
-                      break_on_hyphens=False)
-        for o in OPTIONS)
+        textwrap.fill(
+            f"- `{o.name}` (`{o.type}`, default `{o.default!r}`): {o.doc.replace('``', '`')}",
+            96,
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+        )
+        for o in OPTIONS
+    )
 
 
 def describe(opt) -> str:
@@ -284,11 +398,14 @@ def describe(opt) -> str:
     o, settings = opt.options, {k: v for k, v in opt.rule.settings().items() if k != "rule"}
     extra = "".join(f", {k}={v!r}" for k, v in settings.items())
     n, k = opt.world_size, o.shard_group_size
-    stage = "stage 2, grad_shard_dtype=" + o.grad_shard_dtype.name if o.shard_gradients \
-        else "stage 1"
-    lines = [f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={n}, shard_group_size="
-             f"{k} ({n // k} replicas), {stage}, param_dtype={o.param_dtype.name}, "
-             f"reduce_dtype={o.reduce_dtype}, offload={o.offload!r})"]
+    stage = (
+        "stage 2, grad_shard_dtype=" + o.grad_shard_dtype.name if o.shard_gradients else "stage 1"
+    )
+    lines = [
+        f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={n}, shard_group_size="
+        f"{k} ({n // k} replicas), {stage}, param_dtype={o.param_dtype.name}, "
+        f"reduce_dtype={o.reduce_dtype}, offload={o.offload!r})"
+    ]
     for index, group in enumerate(opt.param_groups):
         lines.append(f"Parameter Group {index} ({len(group['names'])} tensors)")
         lines += [f"    {key}: {group[key]!r}" for key in opt.rule.options]

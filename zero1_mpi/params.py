@@ -19,8 +19,15 @@ import numpy as np
 
 from . import backend
 
-__all__ = ["normalize_groups", "group_options", "group_record", "restore_options",
-           "decay_groups", "check_arrays", "check_param_dtype"]
+__all__ = [
+    "normalize_groups",
+    "group_options",
+    "group_record",
+    "restore_options",
+    "decay_groups",
+    "check_arrays",
+    "check_param_dtype",
+]
 
 
 def normalize_groups(params, defaults: dict, rule) -> tuple[list[dict], dict]:
@@ -28,28 +35,37 @@ def normalize_groups(params, defaults: dict, rule) -> tuple[list[dict], dict]:
     all arrays by name in that same order."""
     if isinstance(params, Mapping):
         raw = [{"params": params}]
-    elif isinstance(params, (list, tuple)) and params and all(isinstance(g, Mapping)
-                                                              for g in params):
+    elif (
+        isinstance(params, (list, tuple)) and params and all(isinstance(g, Mapping) for g in params)
+    ):
         raw = list(params)
     else:
-        raise TypeError(f"params must be a mapping of name -> array or a non-empty list of "
-                        f"group dicts, got {type(params).__name__}: pass e.g. {{'w': w, 'b': b}} "
-                        "or [{'params': {'w': w}}, {'params': {'b': b}, 'weight_decay': 0.0}]")
+        raise TypeError(
+            f"params must be a mapping of name -> array or a non-empty list of "
+            f"group dicts, got {type(params).__name__}: pass e.g. {{'w': w, 'b': b}} "
+            "or [{'params': {'w': w}}, {'params': {'b': b}, 'weight_decay': 0.0}]"
+        )
     groups, arrays = [], {}
     for index, group in enumerate(raw):
         where = "params" if isinstance(params, Mapping) else f"params[{index}]"
         unknown = sorted(set(group) - {"params", *rule.options})
         if unknown:
-            raise ValueError(f"{where} has unknown keys {unknown}: a group may set 'params' "
-                             f"and {', '.join(rule.options)}")
+            raise ValueError(
+                f"{where} has unknown keys {unknown}: a group may set 'params' "
+                f"and {', '.join(rule.options)}"
+            )
         members = group.get("params")
         if not isinstance(members, Mapping):
-            raise TypeError(f"{where}['params'] must be a mapping of name -> array, got "
-                            f"{type(members).__name__}")
+            raise TypeError(
+                f"{where}['params'] must be a mapping of name -> array, got "
+                f"{type(members).__name__}"
+            )
         for name, array in members.items():
             if name in arrays:
-                raise ValueError(f"parameter {name!r} appears in more than one group: put "
-                                 "each parameter in exactly one")
+                raise ValueError(
+                    f"parameter {name!r} appears in more than one group: put "
+                    "each parameter in exactly one"
+                )
             arrays[name] = array
         options = {key: group.get(key, defaults[key]) for key in rule.options}
         groups.append({"names": tuple(members), **rule.check_options(**options)})
@@ -67,15 +83,19 @@ def group_options(group: dict, rule, kind=list):
 def group_record(group: dict, rule) -> dict:
     """A param group as plain JSON values: its names and its (checked) options."""
     options = rule.check_options(**{key: group[key] for key in rule.options})
-    return {"names": list(group["names"]),
-            **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}}
+    return {
+        "names": list(group["names"]),
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+    }
 
 
 def restore_options(groups: list[dict], records: list[dict], rule) -> list[dict]:
     """The checked options of saved ``records`` for ``groups`` (same names), to apply later."""
     if [list(g["names"]) for g in groups] != [list(r["names"]) for r in records]:
-        raise ValueError(f"the saved param groups ({[len(r['names']) for r in records]} tensors "
-                         "per group) differ from the optimizer's: build it with the same groups")
+        raise ValueError(
+            f"the saved param groups ({[len(r['names']) for r in records]} tensors "
+            "per group) differ from the optimizer's: build it with the same groups"
+        )
     return [rule.check_options(**{key: r[key] for key in rule.options}) for r in records]
 
 
@@ -88,8 +108,14 @@ def decay_groups(params: Mapping, weight_decay: float = 1e-2, no_decay=None) -> 
     exempt = no_decay or (lambda name, array: np.ndim(array) < 2)
     decay = {k: v for k, v in params.items() if not exempt(k, v)}
     rest = {k: v for k, v in params.items() if exempt(k, v)}
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
+    return [
+        g
+        for g in (
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": rest, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
 
 
 def check_arrays(arrays: Mapping) -> str:
@@ -100,19 +126,26 @@ def check_arrays(arrays: Mapping) -> str:
             raise TypeError(f"parameter name {name!r} must be a str")
         kind = backend.backend_name(array)
         if kind is None:
-            raise TypeError(f"params[{name!r}] is a {type(array).__name__}: pass a NumPy or "
-                            "CuPy array (convert other frameworks' tensors with np.asarray or "
-                            "cupy.from_dlpack)")
+            raise TypeError(
+                f"params[{name!r}] is a {type(array).__name__}: pass a NumPy or "
+                "CuPy array (convert other frameworks' tensors with np.asarray or "
+                "cupy.from_dlpack)"
+            )
         if array.dtype.kind != "f" and array.dtype != backend.BFLOAT16:
-            raise TypeError(f"params[{name!r}] has dtype {array.dtype}: parameters must be "
-                            "floating point (float32, float16 or bfloat16)")
+            raise TypeError(
+                f"params[{name!r}] has dtype {array.dtype}: parameters must be "
+                "floating point (float32, float16 or bfloat16)"
+            )
         if array.size and not bool(backend.xp_for(kind).isfinite(array).all()):
-            raise ValueError(f"params[{name!r}] holds non-finite values (inf or nan): "
-                             "initialize it with finite numbers")
+            raise ValueError(
+                f"params[{name!r}] holds non-finite values (inf or nan): "
+                "initialize it with finite numbers"
+            )
         backends.add(kind)
     if len(backends) > 1:
-        raise TypeError("params mixes NumPy and CuPy arrays: put all of them on the host or "
-                        "all on the GPU")
+        raise TypeError(
+            "params mixes NumPy and CuPy arrays: put all of them on the host or all on the GPU"
+        )
     return backends.pop()
 
 
@@ -123,18 +156,24 @@ def check_param_dtype(arrays: Mapping, param_dtype) -> np.dtype:
         dtypes = {np.dtype(array.dtype) for array in arrays.values()}
         if len(dtypes) > 1:
             names = ", ".join(sorted(d.name for d in dtypes))
-            raise ValueError(f"params have several dtypes ({names}): pass "
-                             "param_dtype='float32', 'float16' or 'bfloat16'")
+            raise ValueError(
+                f"params have several dtypes ({names}): pass "
+                "param_dtype='float32', 'float16' or 'bfloat16'"
+            )
         (param_dtype,) = dtypes
         if param_dtype.name not in backend.PARAM_DTYPES:
-            raise ValueError(f"params have dtype {param_dtype.name}, which is not a parameter "
-                             "dtype: pass param_dtype='float32', 'float16' or 'bfloat16'")
+            raise ValueError(
+                f"params have dtype {param_dtype.name}, which is not a parameter "
+                "dtype: pass param_dtype='float32', 'float16' or 'bfloat16'"
+            )
     dtype = backend.resolve_dtype(param_dtype)
     limit = float(ml_dtypes.finfo(dtype).max)
     for name, array in arrays.items():
         peak = float(abs(array).max()) if array.size else 0.0
         if peak > limit:
-            raise ValueError(f"params[{name!r}] holds {peak:g}, beyond the largest {dtype.name} "
-                             f"({limit:g}): scale the initial values or choose a wider "
-                             "param_dtype")
+            raise ValueError(
+                f"params[{name!r}] holds {peak:g}, beyond the largest {dtype.name} "
+                f"({limit:g}): scale the initial values or choose a wider "
+                "param_dtype"
+            )
     return dtype

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import replace
+from typing import cast
 
 import numpy as np
 
@@ -54,8 +55,9 @@ class Persistence:
         shape = checkpoint.snapshot_shape(self._state)
         if shape is not None and (self._snapshot is None or self._snapshot.shape != shape):
             self._snapshot = np.empty(shape, np.float32)
-        self._pending = checkpoint.start_save(self._comm, self._state, self._counters, path,
-                                              keep, self._snapshot)
+        self._pending = checkpoint.start_save(
+            self._comm, self._state, self._counters, path, keep, self._snapshot
+        )
         return self._pending
 
     def finish_save(self):
@@ -80,20 +82,26 @@ class Persistence:
         self._wait()
         return export.load_consolidated(self._comm, self._state, self._counters, path)
 
-    def checkpoint_on_signal(self, path, signals=(signal.SIGTERM,), keep: int | None = None
-                             ) -> preemption.SignalCheckpoint:
+    def checkpoint_on_signal(
+        self, path, signals=(signal.SIGTERM,), keep: int | None = None
+    ) -> preemption.SignalCheckpoint:
         """``ShardedOptimizer.checkpoint_on_signal``."""
         error = None
         try:
             if self._on_signal is not None and self._on_signal.active:
-                raise ValueError(f"checkpoint_on_signal() is already active "
-                                 f"({self._on_signal!r}): close() it first")
+                raise ValueError(
+                    f"checkpoint_on_signal() is already active "
+                    f"({self._on_signal!r}): close() it first"
+                )
             path, signals = preemption.check_arguments(path, signals, keep)
         except ValueError as exc:
             error = exc
         self._comm.agree(error)
-        self._comm.check_same({"path": path, "signals": [s.name for s in signals], "keep": keep},
-                              "checkpoint_on_signal's", "pass the same arguments on every rank")
+        self._comm.check_same(
+            {"path": path, "signals": [s.name for s in signals], "keep": keep},
+            "checkpoint_on_signal's",
+            "pass the same arguments on every rank",
+        )
         self._on_signal = preemption.SignalCheckpoint(path, signals, keep)
         return self._on_signal
 
@@ -122,8 +130,9 @@ class Persistence:
         pending = self._pending
         if pending is not None and pending.error is not None:  # printed when it failed: it
             self._pending = None  # must not stop this checkpoint, the job is about to end
-        where = self.save(self._on_signal.path, self._on_signal.keep)
-        self._on_signal.answered(self._asked)
+        on_signal = cast(preemption.SignalCheckpoint, self._on_signal)  # what polls signals
+        where = self.save(on_signal.path, on_signal.keep)
+        on_signal.answered(self._asked)
         return replace(info, stop=True, checkpoint=where)
 
     def close(self) -> None:

@@ -33,8 +33,10 @@ def check_signals(signals) -> tuple[signal.Signals, ...]:
     try:
         items = list(signals)
     except TypeError:
-        raise ValueError(f"signals={signals!r}: pass a signal or a tuple of them, e.g. "
-                         "(signal.SIGTERM,) or ('SIGUSR1',)") from None
+        raise ValueError(
+            f"signals={signals!r}: pass a signal or a tuple of them, e.g. "
+            "(signal.SIGTERM,) or ('SIGUSR1',)"
+        ) from None
     if not items:
         raise ValueError("signals=(): pass at least one signal, e.g. (signal.SIGTERM,)")
     found = []
@@ -48,12 +50,16 @@ def check_signals(signals) -> tuple[signal.Signals, ...]:
             else:
                 raise KeyError(item)
         except (KeyError, ValueError):
-            raise ValueError(f"signals: {item!r} is not a signal of this system: pass one of "
-                             "signal.SIGTERM, signal.SIGUSR1, ... (or its name)") from None
+            raise ValueError(
+                f"signals: {item!r} is not a signal of this system: pass one of "
+                "signal.SIGTERM, signal.SIGUSR1, ... (or its name)"
+            ) from None
         if sig in _UNCATCHABLE:
-            raise ValueError(f"signals: {sig.name} cannot be caught by any process: use the "
-                             f"signal the scheduler sends first (Slurm: SIGTERM, or the one "
-                             "given with --signal, e.g. USR1)")
+            raise ValueError(
+                f"signals: {sig.name} cannot be caught by any process: use the "
+                f"signal the scheduler sends first (Slurm: SIGTERM, or the one "
+                "given with --signal, e.g. USR1)"
+            )
         if sig not in found:
             found.append(sig)
     return tuple(found)
@@ -66,13 +72,17 @@ def check_arguments(path, signals, keep) -> tuple[str, tuple[signal.Signals, ...
     try:
         path = os.fspath(path)
     except TypeError:
-        raise ValueError(f"path={path!r}: pass the checkpoint directory as a str or a "
-                         "pathlib.Path (the one given to opt.save and opt.load)") from None
+        raise ValueError(
+            f"path={path!r}: pass the checkpoint directory as a str or a "
+            "pathlib.Path (the one given to opt.save and opt.load)"
+        ) from None
     signals = check_signals(signals)
     if threading.current_thread() is not threading.main_thread():
-        raise ValueError(f"checkpoint_on_signal() was called from thread "
-                         f"{threading.current_thread().name!r}: call it from the main thread "
-                         "(Python runs signal handlers there only), before the loop starts")
+        raise ValueError(
+            f"checkpoint_on_signal() was called from thread "
+            f"{threading.current_thread().name!r}: call it from the main thread "
+            "(Python runs signal handlers there only), before the loop starts"
+        )
     return path, signals
 
 
@@ -96,7 +106,7 @@ class SignalCheckpoint:
     def active(self) -> bool:
         return bool(self._previous)
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - the signal module's signature
+    def _handle(self, signum, frame) -> None:  # frame unused: the signal module's signature
         self.received.append(signal.Signals(signum))  # only this: step() does the rest
 
     def poll(self) -> int:
@@ -115,7 +125,7 @@ class SignalCheckpoint:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
-    def __enter__(self) -> "SignalCheckpoint":
+    def __enter__(self) -> SignalCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -123,5 +133,7 @@ class SignalCheckpoint:
 
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.signals)
-        return (f"SignalCheckpoint({os.fspath(self.path)!r}, signals=({names}), "
-                f"keep={self.keep!r}, active={self.active}, received={len(self.received)})")
+        return (
+            f"SignalCheckpoint({os.fspath(self.path)!r}, signals=({names}), "
+            f"keep={self.keep!r}, active={self.active}, received={len(self.received)})"
+        )

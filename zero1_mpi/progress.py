@@ -33,8 +33,10 @@ def _rank_of(rank) -> int:
         if value is None and callable(getattr(rank, "Get_rank", None)):
             value = rank.Get_rank()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"rank={rank!r} must be a rank >= 0 or a communicator with .rank or "
-                        f"Get_rank() (zero1_mpi.Communicator, mpi4py's comm): pass comm.rank")
+        raise ValueError(
+            f"rank={rank!r} must be a rank >= 0 or a communicator with .rank or "
+            f"Get_rank() (zero1_mpi.Communicator, mpi4py's comm): pass comm.rank"
+        )
     return int(value)
 
 
@@ -59,30 +61,51 @@ class Progress:
     loop) to each ``update``: synchronize the device first where steps run asynchronously.
     """
 
-    def __init__(self, total_steps: int, rank=0, *, start: int = 0,
-                 tokens_per_step: float | None = None, unit: str = "tokens", every: int = 10,
-                 file=None, mode: str | None = None, clock=time.perf_counter):
-        for name, value, low in (("total_steps", total_steps, 1), ("every", every, 1),
-                                 ("start", start, 0)):
+    def __init__(
+        self,
+        total_steps: int,
+        rank=0,
+        *,
+        start: int = 0,
+        tokens_per_step: float | None = None,
+        unit: str = "tokens",
+        every: int = 10,
+        file=None,
+        mode: str | None = None,
+        clock=time.perf_counter,
+    ):
+        for name, value, low in (
+            ("total_steps", total_steps, 1),
+            ("every", every, 1),
+            ("start", start, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ValueError(f"Progress {name}={value!r} must be an integer >= {low}")
         if start > total_steps:
-            raise ValueError(f"Progress start={start} is past total_steps={total_steps}: "
-                             f"nothing is left to run")
+            raise ValueError(
+                f"Progress start={start} is past total_steps={total_steps}: nothing is left to run"
+            )
         if tokens_per_step is not None and (
-                isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, numbers.Real)
-                or not tokens_per_step > 0):
-            raise ValueError(f"Progress tokens_per_step={tokens_per_step!r} must be a number "
-                             f"> 0 (tokens or examples per step, over all ranks), or None")
+            isinstance(tokens_per_step, bool)
+            or not isinstance(tokens_per_step, numbers.Real)
+            or not tokens_per_step > 0
+        ):
+            raise ValueError(
+                f"Progress tokens_per_step={tokens_per_step!r} must be a number "
+                f"> 0 (tokens or examples per step, over all ranks), or None"
+            )
         source = "mode" if mode is not None else f"${ENV}"
         chosen = mode if mode is not None else os.environ.get(ENV) or "auto"
         mode = chosen.strip().lower() if isinstance(chosen, str) else chosen
         if mode not in MODES:
-            raise ValueError(f"Progress {source}={chosen!r} is not a mode; known: "
-                             f"{', '.join(MODES)}")
+            raise ValueError(
+                f"Progress {source}={chosen!r} is not a mode; known: {', '.join(MODES)}"
+            )
         if mode == "tqdm" and importlib.util.find_spec("tqdm") is None:
-            raise ImportError(f"Progress {source}='tqdm' but tqdm is not installed: "
-                              f"pip install tqdm, or choose 'plain'")
+            raise ImportError(
+                f"Progress {source}='tqdm' but tqdm is not installed: "
+                f"pip install tqdm, or choose 'plain'"
+            )
         self.total_steps, self.start, self.every = int(total_steps), int(start), int(every)
         self.tokens_per_step, self.unit = tokens_per_step, unit
         self.rank = _rank_of(rank)
@@ -95,8 +118,14 @@ class Progress:
         self._marked_done, self._rate = self.start, None
         if self.mode == "tqdm":
             from tqdm import tqdm
-            self._bar = tqdm(total=self.total_steps, initial=self.start, file=self.file,
-                             unit="step", dynamic_ncols=True)
+
+            self._bar = tqdm(
+                total=self.total_steps,
+                initial=self.start,
+                file=self.file,
+                unit="step",
+                dynamic_ncols=True,
+            )
 
     def _choose(self, mode: str) -> str:
         if mode != "auto":
@@ -111,10 +140,15 @@ class Progress:
         """Record that step ``step`` (0-based, after the previous one) is done, with its
         ``loss`` and any ``extra`` fields (``lr=3e-4``: shown as ``lr 0.0003``). Returns the
         plain line printed, else None (other ranks, tqdm, steps between lines)."""
-        if (isinstance(step, bool) or not isinstance(step, numbers.Integral)
-                or not self._last_step < step < self.total_steps):
-            raise ValueError(f"Progress.update(step={step!r}): the step just done, after "
-                             f"{self._last_step} and below total_steps={self.total_steps}")
+        if (
+            isinstance(step, bool)
+            or not isinstance(step, numbers.Integral)
+            or not self._last_step < step < self.total_steps
+        ):
+            raise ValueError(
+                f"Progress.update(step={step!r}): the step just done, after "
+                f"{self._last_step} and below total_steps={self.total_steps}"
+            )
         first, self._last_step = self._last_step < self.start, int(step)
         if self.mode == "off":
             return None
@@ -132,8 +166,11 @@ class Progress:
                 rate = self.tokens_per_step / per_step if per_step > 0 else float("inf")
                 self._rate = f"{rate:.0f} {self.unit}/s"
             timing = [f"{per_step * 1e3:.2f} ms/step"] + ([self._rate] if self._rate else [])
-            timing.append(f"done in {_clock_text(now - self._began)}" if last else
-                          f"ETA {_clock_text(per_step * (self.total_steps - done))}")
+            timing.append(
+                f"done in {_clock_text(now - self._began)}"
+                if last
+                else f"ETA {_clock_text(per_step * (self.total_steps - done))}"
+            )
         if self._bar is not None:  # tqdm shows the steps, the time and the ETA itself
             postfix = fields + ([self._rate] if self._rate else [])
             self._bar.set_postfix_str(", ".join(postfix), refresh=False)

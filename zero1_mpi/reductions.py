@@ -17,8 +17,18 @@ import numpy as np
 from . import backend
 from .kernels_numba import CHUNK, FP16_TABLE, compile_marked, encoding, jit, widen
 
-__all__ = ["reductions_for", "reductions_of", "resolve_cpu_kernel", "sum_of_squares", "add_blocks",
-           "NumpyReductions", "NumbaReductions", "CupyReductions", "NUMPY_CHUNK", "KERNEL_ENV"]
+__all__ = [
+    "reductions_for",
+    "reductions_of",
+    "resolve_cpu_kernel",
+    "sum_of_squares",
+    "add_blocks",
+    "NumpyReductions",
+    "NumbaReductions",
+    "CupyReductions",
+    "NUMPY_CHUNK",
+    "KERNEL_ENV",
+]
 
 #: Elements per NumPy chunk: the fp32 scratch (2 x 256 KiB) stays in cache.
 NUMPY_CHUNK = 1 << 16
@@ -37,8 +47,9 @@ def resolve_cpu_kernel(environ=None) -> str:
         import numba  # noqa: F401
     except ImportError:
         if choice == "numba":
-            raise ImportError(f"{KERNEL_ENV}=numba but Numba does not import: "
-                              "pip install 'zero1-mpi[fast]'") from None
+            raise ImportError(
+                f"{KERNEL_ENV}=numba but Numba does not import: pip install 'zero1-mpi[fast]'"
+            ) from None
         return "numpy"
     return "numba"
 
@@ -66,10 +77,10 @@ def sum_of_squares(x, scratch) -> float:
     ``scratch`` first), accumulated in float64; inf and nan propagate."""
     total = 0.0
     for start in range(0, x.size, scratch.size):
-        chunk = x[start:start + scratch.size]
+        chunk = x[start : start + scratch.size]
         if chunk.dtype != np.float32:
-            chunk = scratch[:chunk.size]
-            np.copyto(chunk, x[start:start + scratch.size], casting="unsafe")
+            chunk = scratch[: chunk.size]
+            np.copyto(chunk, x[start : start + scratch.size], casting="unsafe")
         total += float(np.dot(chunk, chunk))
     return total
 
@@ -106,7 +117,7 @@ def _sum_blocks(blocks, kind, table, scratch, out):
         stop = min(count, start + scratch.size)
         widen(blocks[0, start:stop], kind, table, out[start:stop])
         for r in range(1, rows):
-            widened = scratch[:stop - start]
+            widened = scratch[: stop - start]
             widen(blocks[r, start:stop], kind, table, widened)
             _accumulate(out[start:stop], widened)
 
@@ -146,13 +157,19 @@ class CupyReductions:
     """The CuPy twin: a ``ReductionKernel`` for the sum of squares, CuPy adds for the blocks."""
 
     scratch_bytes = 0
-    _kernel = None
+    _kernel: backend.ExplainedKernel | None = None
 
     def sum_of_squares(self, x):
         if CupyReductions._kernel is None:
             kernel = backend.xp_for("cupy").ReductionKernel(
-                "T x", "float64 total", "(double)(float)x * (double)(float)x", "a + b",
-                "total = a", "0", "zero1_sum_of_squares")
+                "T x",
+                "float64 total",
+                "(double)(float)x * (double)(float)x",
+                "a + b",
+                "total = a",
+                "0",
+                "zero1_sum_of_squares",
+            )
             CupyReductions._kernel = backend.ExplainedKernel(kernel)
         return CupyReductions._kernel(x)
 

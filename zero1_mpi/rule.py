@@ -69,7 +69,8 @@ class Rule(Protocol):
     options: tuple[str, ...]
     tensor_sums: int = 0
 
-    def check_options(self, **values) -> dict:
+    # Called with the options as keywords; (*args: Any, **values: Any) lets a rule name them.
+    def check_options(self, *args: Any, **values: Any) -> dict:
         """Return the options normalized (floats, tuples), or raise ValueError/TypeError
         naming the bad value and the fix."""
         ...
@@ -91,8 +92,11 @@ class Rule(Protocol):
     def tensor_scalars(self, scalars, totals) -> Any:
         """Return one tensor's scalars from its group's ``scalars`` and its ``tensor_sums``
         totals over ranks (two-phase rules only)."""
-        raise NotImplementedError(f"the {self.name!r} rule has tensor_sums = "
-                                  f"{self.tensor_sums} and no tensor_scalars")
+        # (two statements: a protocol member whose body only raises is abstract to mypy)
+        message = (
+            f"the {self.name!r} rule has tensor_sums = {self.tensor_sums} and no tensor_scalars"
+        )
+        raise NotImplementedError(message)
 
     @classmethod
     def variants(cls) -> tuple[Rule, ...]:
@@ -105,8 +109,8 @@ def missing_members(rule) -> list[str]:
     """The members of ``Rule`` that the engine uses and ``rule`` lacks (empty for a complete
     rule; ``tensor_scalars`` only where ``tensor_sums`` > 0, ``variants`` is the tools')."""
     members = set(Rule.__annotations__) | {
-        name for name, value in vars(Rule).items()
-        if not name.startswith("_") and callable(value)}
+        name for name, value in vars(Rule).items() if not name.startswith("_") and callable(value)
+    }
     if not getattr(rule, "tensor_sums", 0):
         members.discard("tensor_scalars")
     return sorted(name for name in members if not hasattr(rule, name))

@@ -33,8 +33,12 @@ class LossScaler:
 
         for field in ("scale", "growth_factor", "backoff_factor", "min_scale"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 bad(field, "must be a finite number > 0")
         if self.growth_factor < 1:
             bad("growth_factor", "must be >= 1 (the scale grows after good steps)")
@@ -50,12 +54,22 @@ class LossScaler:
         return cls(scale=scale)
 
     @classmethod
-    def dynamic_scaler(cls, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                       backoff_factor: float = 0.5, growth_interval: int = 2000,
-                       min_scale: float = 1.0) -> LossScaler:
-        return cls(scale=init_scale, dynamic=True, growth_factor=growth_factor,
-                   backoff_factor=backoff_factor, growth_interval=growth_interval,
-                   min_scale=min_scale)
+    def dynamic_scaler(
+        cls,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ) -> LossScaler:
+        return cls(
+            scale=init_scale,
+            dynamic=True,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+        )
 
     @classmethod
     def from_option(cls, loss_scale) -> LossScaler:
@@ -68,8 +82,10 @@ class LossScaler:
             return cls.dynamic_scaler()
         if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
             return cls.fixed(float(loss_scale))
-        raise ValueError(f"loss_scale={loss_scale!r} is not understood: use None, a number "
-                         "(fixed scale), 'dynamic', or LossScaler.dynamic_scaler(...)")
+        raise ValueError(
+            f"loss_scale={loss_scale!r} is not understood: use None, a number "
+            "(fixed scale), 'dynamic', or LossScaler.dynamic_scaler(...)"
+        )
 
     @property
     def at_minimum(self) -> bool:
@@ -80,12 +96,12 @@ class LossScaler:
         if not self.dynamic:
             return self
         if overflow:
-            return replace(self, scale=max(self.min_scale, self.scale * self.backoff_factor),
-                           good_steps=0)
+            return replace(
+                self, scale=max(self.min_scale, self.scale * self.backoff_factor), good_steps=0
+            )
         if self.good_steps + 1 >= self.growth_interval:
             grown = self.scale * self.growth_factor
-            return replace(self, scale=grown if grown <= FLOAT32_MAX else self.scale,
-                           good_steps=0)
+            return replace(self, scale=grown if grown <= FLOAT32_MAX else self.scale, good_steps=0)
         return replace(self, good_steps=self.good_steps + 1)
 
     def state(self) -> dict:

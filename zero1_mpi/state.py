@@ -2,18 +2,20 @@
 master weights and the rule's state, with the kernel that updates them.
 
 ``ShardedState`` keeps the shard with the parameters (the device, or the host for NumPy);
-``HostState`` (``offload="cpu"``) keeps it on the host, updated there with ``offload``'s copies
-and threaded kernel; ``sharded_state`` builds the one the options ask for. Their interface is
-all the rest of the package sees: ``params`` (views by name), ``rows`` and ``views(lo, hi, state)`` (what
+``HostState`` (``offload="cpu"``) keeps it on the host, updated there with ``offload``'s copies and
+threaded kernel; ``sharded_state`` builds the one the options ask for. Their interface is all the
+rest of the package sees: ``params`` (views by name), ``rows`` and ``views(lo, hi, state)`` (what
 checkpoints and exports read and write, then ``publish()``), ``seed(arrays)`` (rank 0's initial
 values), ``update(reduced, scalars, step)`` (the rule's kernel over the shard, each bucket's
-all-gather started as its new shard lands in the parameter buffer) and ``wait()`` for those
-gathers. It knows no rule's math. Methods that start or complete collectives: all ranks.
+all-gather started as its new shard lands in the parameter buffer) and ``wait()`` for those gathers.
+It knows no rule's math. Methods that start or complete collectives: all ranks.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,19 +50,22 @@ class ShardedState:
         self.mixed = dtype != FP32
         #: The flat parameter buffer (every rank's full copy); ``params``: its views by name.
         self.flat = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
-        self.params = Views(layout, self.flat, before_read)
+        self.params: Mapping = Views(layout, self.flat, before_read)
         self.gathers = ParamGathers(layout, self.flat, topology.shard_comm, watch)
         largest = max(b.shard_size for b in layout.buckets)
         self._allocate(layout.shard_total, largest)
-        self._pieces = [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets] \
-            if rule.tensor_sums else None
+        self._pieces: list[list[tuple[int, int, int, int]]] | None = (
+            [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
+            if rule.tensor_sums
+            else None
+        )
 
     def _allocate(self, n: int, largest: int) -> None:
         """The shard's arrays (fp32 masters for 16-bit parameters; for fp32 ones the
         parameter buffer's own range is the master) and the kernel."""
         xp = self._xp
         self.kernel_kind = "cupy" if xp is not np else resolve_cpu_kernel()
-        self.master = xp.zeros(n, FP32) if self.mixed else None
+        self.master: Any = xp.zeros(n, FP32) if self.mixed else None
         self.state = {name: xp.zeros(n, FP32) for name in self.rule.state_names}
         self.kernel = self.rule.kernel(self.kernel_kind, largest)
 
@@ -82,8 +87,10 @@ class ShardedState:
         ``state`` in its shard arrays (``layout.owned(shard_rank)`` lists them): a view by
         name for each of ``rows``. Writing into them changes the state: ``publish()`` after."""
         s = slice(state, state + hi - lo)
-        views = {"master": self.flat[lo:hi] if self.master is None else self.master[s],
-                 **{name: array[s] for name, array in self.state.items()}}
+        views = {
+            "master": self.flat[lo:hi] if self.master is None else self.master[s],
+            **{name: array[s] for name, array in self.state.items()},
+        }
         if self.mixed:
             views["param"] = self.flat[lo:hi]
         return views
@@ -99,20 +106,22 @@ class ShardedState:
         staging = xp.zeros(max(b.size for b in layout.buckets), FP32) if self.mixed else None
         for bucket in layout.buckets:
             span = slice(bucket.offset, bucket.offset + bucket.size)
-            target = staging[:bucket.size] if self.mixed else self.flat[span]
-            target[bucket.used:] = 0  # the padding (the reused staging held the last bucket)
+            target = self.flat[span] if staging is None else staging[: bucket.size]
+            target[bucket.used :] = 0  # the padding (the reused staging held the last bucket)
             if comm.rank == 0:
                 for t, lo, hi in layout.pieces(bucket.offset, bucket.offset + bucket.size):
                     values = xp.asarray(arrays[t.name]).reshape(-1)
-                    target[lo - bucket.offset:hi - bucket.offset] = values[lo - t.offset:
-                                                                           hi - t.offset]
+                    target[lo - bucket.offset : hi - bucket.offset] = values[
+                        lo - t.offset : hi - t.offset
+                    ]
             comm.bcast(target)
             if self.mixed:
                 self.flat[span] = target.astype(self.dtype)
             if self.master is not None:
                 lo, hi = bucket.shard(self.shard_rank)
                 self.master[bucket.state] = backend.like(
-                    self.master, target[lo - bucket.offset:hi - bucket.offset])
+                    self.master, target[lo - bucket.offset : hi - bucket.offset]
+                )
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -122,14 +131,16 @@ class ShardedState:
         bucket's all-gather as its new shard lands. Returns the seconds spent updating and
         starting gathers. A two-phase rule first sums over each tensor (one Allreduce)."""
         clock, update = time.perf_counter, 0.0
+        shards: list | None = reduced  # None: a second phase reads no gradients
+        kernel_scalars: list | dict = scalars  # a two-phase rule's: by tensor
         if self.rule.tensor_sums:
             t0 = clock()
-            scalars = self._per_tensor_scalars(self._inputs(reduced), scalars, step)
-            update, reduced = clock() - t0, None
+            kernel_scalars = self._per_tensor_scalars(self._inputs(reduced), scalars, step)
+            update, shards = clock() - t0, None
         gather, t0 = 0.0, clock()  # (offloaded, the wait for a gradient's copy is update's)
-        for bucket, grads in self._inputs(reduced):
+        for bucket, grads in self._inputs(shards):
             self.watch.bucket = bucket.index
-            self._update_bucket(bucket, grads, scalars)
+            self._update_bucket(bucket, grads, kernel_scalars)
             t1 = clock()
             for index in self._landed(bucket):
                 self.gathers.start(index)
@@ -173,15 +184,15 @@ class ShardedState:
         st = slice(bucket.state.start + a, bucket.state.start + b)
         states = [state[st] for state in self.state.values()]
         if self.mixed:
-            return self.master[st], states, self.flat[lo + a:lo + b]
-        return self.flat[lo + a:lo + b], states, None
+            return self.master[st], states, self.flat[lo + a : lo + b]
+        return self.flat[lo + a : lo + b], states, None
 
     # -- internals ---------------------------------------------------------------------------
 
     def _update_bucket(self, bucket, grads, scalars) -> None:
         """Update this rank's shard of ``bucket``: per param group, or per tensor piece."""
         if self.rule.tensor_sums:
-            for index, _, a, b in self._pieces[bucket.index]:
+            for index, _, a, b in cast(list, self._pieces)[bucket.index]:  # two-phase: a list
                 master, states, param = self._arrays(bucket, a, b)
                 self.kernel.apply(master, *states, param, scalars[index])
             return
@@ -198,8 +209,9 @@ class ShardedState:
         one ``Allreduce``; returns the scalars (``rule.tensor_scalars``) of each tensor this
         rank owns a piece of, by tensor index. ``shards``: as ``_inputs`` gives them."""
         xp = np if self.on_host else self._xp
+        all_pieces = cast(list, self._pieces)  # a two-phase rule's
         sums = xp.zeros((len(self.layout.tensors), self.rule.tensor_sums), np.float64)
-        for (bucket, grads), pieces in zip(shards, self._pieces):
+        for (bucket, grads), pieces in zip(shards, all_pieces):
             calls = []
             for _, group, a, b in pieces:
                 master, states, _ = self._arrays(bucket, a, b)
@@ -211,8 +223,11 @@ class ShardedState:
             self.watch.arm(step, "update")
             totals = self.topology.shard_comm.allreduce_sum(totals)
             self.watch.disarm()
-        return {index: self.rule.tensor_scalars(scalars[group], totals[index])
-                for pieces in self._pieces for index, group, _, _ in pieces}
+        return {
+            index: self.rule.tensor_scalars(scalars[group], totals[index])
+            for pieces in all_pieces
+            for index, group, _, _ in pieces
+        }
 
 
 class HostState(ShardedState):
@@ -223,19 +238,20 @@ class HostState(ShardedState):
 
     on_host = True
 
-    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, *,
-                 threads: int):
+    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, *, threads: int):
         self._threads = threads
         super().__init__(layout, topology, rule, dtype, xp, watch, before_read)
 
     def _allocate(self, n: int, largest: int) -> None:
         self.kernel_kind = resolve_cpu_kernel()
         #: The host arrays and the copies between them and the device (``offload.HostShard``).
-        self.copies = HostShard(self.layout, self.shard_rank, self.flat, self.rule.state_names,
-                                self.mixed)
+        self.copies = HostShard(
+            self.layout, self.shard_rank, self.flat, self.rule.state_names, self.mixed
+        )
         self.master, self.state = self.copies.master, self.copies.state
-        self.kernel = ThreadedKernel(lambda: self.rule.kernel(self.kernel_kind, largest),
-                                     self._threads)
+        self.kernel = ThreadedKernel(
+            lambda: self.rule.kernel(self.kernel_kind, largest), self._threads
+        )
 
     def publish(self) -> None:
         self.gathers.wait()  # they write the buffer the masters are copied into
@@ -261,13 +277,24 @@ class HostState(ShardedState):
         sends (fp32: the host master itself is sent)."""
         st = slice(bucket.state.start + a, bucket.state.start + b)
         params16 = self.copies.params16
-        return (self.master[st], [state[st] for state in self.state.values()],
-                None if params16 is None else params16[st])
+        return (
+            self.master[st],
+            [state[st] for state in self.state.values()],
+            None if params16 is None else params16[st],
+        )
 
 
 def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> ShardedState:
     """The sharded state of the checked ``options`` (``options.EngineOptions``)."""
     if options.offload is not None:
-        return HostState(layout, topology, rule, options.param_dtype, xp, watch, before_read,
-                         threads=options.offload_threads)
+        return HostState(
+            layout,
+            topology,
+            rule,
+            options.param_dtype,
+            xp,
+            watch,
+            before_read,
+            threads=options.offload_threads,
+        )
     return ShardedState(layout, topology, rule, options.param_dtype, xp, watch, before_read)

@@ -30,12 +30,12 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6
 class StepInfo:
     """What one ``step()`` did."""
 
-    grad_norm: float       # global L2 norm of the averaged, unscaled gradient, before clipping
-    skipped: bool          # True when the gradients overflowed and nothing was updated
-    loss_scale: float      # the scale the gradients of this step were multiplied by
-    clip_coef: float       # the factor clipping applied (1.0 when it did not clip)
-    step: int              # optimizer steps taken so far (skipped ones not counted)
-    stop: bool = False     # a signal of checkpoint_on_signal arrived: checkpoint saved, stop
+    grad_norm: float  # global L2 norm of the averaged, unscaled gradient, before clipping
+    skipped: bool  # True when the gradients overflowed and nothing was updated
+    loss_scale: float  # the scale the gradients of this step were multiplied by
+    clip_coef: float  # the factor clipping applied (1.0 when it did not clip)
+    step: int  # optimizer steps taken so far (skipped ones not counted)
+    stop: bool = False  # a signal of checkpoint_on_signal arrived: checkpoint saved, stop
     checkpoint: Path | None = None  # the checkpoint saved after this step, when ``stop``
 
 
@@ -64,14 +64,14 @@ class Agreement:
     ``summed`` every rank's total). A digest ``h`` is the same on all N ranks exactly when
     ``N * sum(h^2) == sum(h)^2``."""
 
-    sum_sq: float = 0.0      # the squares of the reduced gradients (inf/nan: an overflow)
-    problems: float = 0.0    # ranks that found a bad option or hand-over
-    options: float = 0.0     # a digest of the param groups' options
+    sum_sq: float = 0.0  # the squares of the reduced gradients (inf/nan: an overflow)
+    problems: float = 0.0  # ranks that found a bad option or hand-over
+    options: float = 0.0  # a digest of the param groups' options
     options_sq: float = 0.0
-    order: float = 0.0       # a digest of the order the reductions started in
+    order: float = 0.0  # a digest of the order the reductions started in
     order_sq: float = 0.0
-    signals: float = 0.0     # ranks with a checkpoint_on_signal signal pending
-    writing: float = 0.0     # ranks still writing their part of a non-blocking save
+    signals: float = 0.0  # ranks with a checkpoint_on_signal signal pending
+    writing: float = 0.0  # ranks still writing their part of a non-blocking save
 
     def summed(self, comm) -> Agreement:
         """Every rank's record added up (one ``Allreduce``); all ranks."""
@@ -123,10 +123,12 @@ class StepPipeline:
                     f"the gradients hold inf or nan (grad_norm={grad_norm}) at loss scale "
                     f"{scale:g}, which cannot back off further, after {counters.step} steps: "
                     "nothing was updated. Check the loss for divergence, lower the learning "
-                    "rate, or use loss_scale='dynamic' (fp16)")
+                    "rate, or use loss_scale='dynamic' (fp16)"
+                )
             counters.scaler = counters.scaler.update(overflow=True)
             return self.persistence.stop_if_asked(
-                StepInfo(grad_norm, True, scale, 1.0, counters.step), agreed)
+                StepInfo(grad_norm, True, scale, 1.0, counters.step), agreed
+            )
 
         clip = 1.0
         if counters.max_grad_norm is not None:
@@ -134,8 +136,10 @@ class StepPipeline:
         factor = clip / (comm.size * scale)
         self.watch.disarm()  # the update is this rank's own work (the first may compile)
         with comm.abort_on_error("in step() while updating the parameters"):
-            scalars = [self.rule.scalars(counters.step + 1, group_options(g, self.rule, dict),
-                                         factor) for g in counters.param_groups]
+            scalars = [
+                self.rule.scalars(counters.step + 1, group_options(g, self.rule, dict), factor)
+                for g in counters.param_groups
+            ]
             update, gather = self.state.update(reduced, scalars, counters.step + 1)
             self.gradients.zero()
         if wait:
@@ -145,23 +149,36 @@ class StepPipeline:
                 self.state.wait()
             self.watch.disarm()
             gather += clock() - t0
-        self.last_step_seconds = {"reduce": reduced_at - started,
-                                  "agree": agreed_at - reduced_at,
-                                  "update": update, "gather": gather}
+        self.last_step_seconds = {
+            "reduce": reduced_at - started,
+            "agree": agreed_at - reduced_at,
+            "update": update,
+            "gather": gather,
+        }
         counters.step += 1
         counters.scaler = counters.scaler.update(overflow=False)
         return self.persistence.stop_if_asked(
-            StepInfo(grad_norm, False, scale, clip, counters.step), agreed)
+            StepInfo(grad_norm, False, scale, clip, counters.step), agreed
+        )
 
     def _agreement(self, reduced: list, problem: str | None) -> Agreement:
         """This rank's part of the step's agreement."""
         # Replicas hold the same sums: the norm counts one of them.
-        sum_sq = float(sum(self.reductions.sum_of_squares(r) for r in reduced)) \
-            if self.state.topology.replica == 0 else 0.0
+        sum_sq = (
+            float(sum(self.reductions.sum_of_squares(r) for r in reduced))
+            if self.state.topology.replica == 0
+            else 0.0
+        )
         options, order = self._options_digest(), self.gradients.order_digest
-        return replace(self.persistence.poll(), sum_sq=sum_sq, problems=float(bool(problem)),
-                       options=options, options_sq=options * options,
-                       order=order, order_sq=order * order)
+        return replace(
+            self.persistence.poll(),
+            sum_sq=sum_sq,
+            problems=float(bool(problem)),
+            options=options,
+            options_sq=options * options,
+            order=order,
+            order_sq=order * order,
+        )
 
     def _raise_disagreement(self, agreed: Agreement, problem: str | None) -> None:
         """Raise on every rank, nothing updated, what any rank found wrong."""
@@ -171,14 +188,18 @@ class StepPipeline:
             self.comm.agree(problem)
         if not Agreement.same(agreed.options, agreed.options_sq, ranks):
             self.gradients.zero()
-            raise CollectiveError(f"param_groups options ({', '.join(self.rule.options)}) "
-                                  "differ between ranks: set them to the same values on every "
-                                  "rank (nothing was updated)")
+            raise CollectiveError(
+                f"param_groups options ({', '.join(self.rule.options)}) "
+                "differ between ranks: set them to the same values on every "
+                "rank (nothing was updated)"
+            )
         if not Agreement.same(agreed.order, agreed.order_sq, ranks):
             self.gradients.zero()
-            raise CollectiveError("the ranks handed their gradients over in different orders, "
-                                  "so their reductions did not match: hand the same tensors "
-                                  "over in the same order on every rank (nothing was updated)")
+            raise CollectiveError(
+                "the ranks handed their gradients over in different orders, "
+                "so their reductions did not match: hand the same tensors "
+                "over in the same order on every rank (nothing was updated)"
+            )
 
     def _check_param_groups(self) -> str | None:
         """A message if a group's options were set to invalid values since the last step

@@ -23,23 +23,31 @@ def resolve_shard_group_size(value, size: int, node_ranks, comm) -> int:
     if value is None:
         return size
     if not comm.supports_split and value != size:
-        raise ValueError(f"shard_group_size={value!r} needs sub-communicators, which "
-                         f"{type(comm).__name__} cannot make yet: use zero1_mpi.Communicator "
-                         "(MPI) or shard over all ranks")
+        raise ValueError(
+            f"shard_group_size={value!r} needs sub-communicators, which "
+            f"{type(comm).__name__} cannot make yet: use zero1_mpi.Communicator "
+            "(MPI) or shard over all ranks"
+        )
     if value == "node":
         k = len(node_ranks)
         if node_ranks != list(range(node_ranks[0], node_ranks[0] + k)) or node_ranks[0] % k:
-            raise ValueError(f"shard_group_size='node': this node holds ranks {node_ranks}, "
-                             "not a block of consecutive ranks starting at a multiple of its "
-                             "size: place ranks by node (mpiexec -ppn K, srun "
-                             "--distribution=block) or pass an integer")
+            raise ValueError(
+                f"shard_group_size='node': this node holds ranks {node_ranks}, "
+                "not a block of consecutive ranks starting at a multiple of its "
+                "size: place ranks by node (mpiexec -ppn K, srun "
+                "--distribution=block) or pass an integer"
+            )
         value = k
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or size % value:
-        raise ValueError(f"shard_group_size={value!r} must divide the {size} ranks (or be None "
-                         "for all of them, or 'node')")
+        raise ValueError(
+            f"shard_group_size={value!r} must divide the {size} ranks (or be None "
+            "for all of them, or 'node')"
+        )
     if value == 1 and size > 1:
-        raise ValueError("shard_group_size=1 keeps the whole state on every rank (plain data "
-                         "parallelism): use 2 or more")
+        raise ValueError(
+            "shard_group_size=1 keeps the whole state on every rank (plain data "
+            "parallelism): use 2 or more"
+        )
     return value
 
 

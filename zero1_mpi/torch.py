@@ -15,11 +15,13 @@ import contextlib
 import inspect
 import weakref
 from collections.abc import Mapping
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from .binding import PassThrough, optimizer_class
+from .engine import ShardedOptimizer
 
 __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
 
@@ -27,10 +29,12 @@ __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
 #: to two optimizers would silently split its updates.
 OWNER = "_zero1_mpi_owner"
 
-STATE_DICT_HELP = ("a sharded optimizer has no single state_dict: each rank holds 1/N of it. "
-                   "Use opt.save(directory) / opt.load(directory) (sharded, loads at any world "
-                   "size; all ranks), or opt.save_consolidated(file) / opt.load_consolidated(file)"
-                   " (the full fp32 state by parameter name in one safetensors file; all ranks)")
+STATE_DICT_HELP = (
+    "a sharded optimizer has no single state_dict: each rank holds 1/N of it. "
+    "Use opt.save(directory) / opt.load(directory) (sharded, loads at any world "
+    "size; all ranks), or opt.save_consolidated(file) / opt.load_consolidated(file)"
+    " (the full fp32 state by parameter name in one safetensors file; all ranks)"
+)
 
 
 def as_array(tensor):
@@ -39,9 +43,11 @@ def as_array(tensor):
     tensor = tensor.detach()
     if tensor.is_cuda:
         import cupy
+
         return cupy.from_dlpack(tensor)
     if tensor.dtype == torch.bfloat16:  # NumPy knows bf16 only through ml_dtypes
         import ml_dtypes
+
         return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return tensor.numpy()
 
@@ -91,20 +97,32 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             micro-batch's backward reduces its buckets (``no_sync()`` changes nothing).
     """
 
-    def __init__(self, params, rule="adamw", comm=None, *, overlap: bool = False,
-                 module: torch.nn.Module | None = None, **options):
+    def __init__(
+        self,
+        params,
+        rule="adamw",
+        comm=None,
+        *,
+        overlap: bool = False,
+        module: torch.nn.Module | None = None,
+        **options,
+    ):
         if isinstance(params, torch.nn.Module):
             module = params if module is None else module
         groups = _named_groups(params, module)
         if overlap and module is None:
-            raise ValueError("overlap=True needs the module, whose forward completes the "
-                             "all-gather: pass the nn.Module itself, or module=model")
+            raise ValueError(
+                "overlap=True needs the module, whose forward completes the "
+                "all-gather: pass the nn.Module itself, or module=model"
+            )
         named = {name: p for group in groups for name, p in group["params"].items()}
         _check_unbound(named)
         cls = optimizer_class(rule)
         _use_device_of(named)
-        arrays = [{**group, "params": {name: as_array(p) for name, p in group["params"].items()}}
-                  for group in groups]
+        arrays = [
+            {**group, "params": {name: as_array(p) for name, p in group["params"].items()}}
+            for group in groups
+        ]
         sharded = cls(arrays, comm, **options)
         self.sharded, self.overlap, self.module, self._sync = sharded, overlap, module, True
         #: The ``StepInfo`` of the last ``step()`` (None before the first).
@@ -112,7 +130,8 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         #: Stage 2 (``shard_gradients=True``): each ``.grad`` is handed over and dropped.
         self.sharded_gradients = sharded.grad_shard_dtype is not None
         self._end_queued = False  # the end-of-backward callback (stage 2)
-        self._binding = {}  # name -> (parameter, its data pointer, its .grad view, pointer)
+        # name -> (parameter, its data pointer, its .grad view, pointer)
+        self._binding: dict[str, tuple[Any, int, Any, Any]] = {}
         for name, p in named.items():  # from here on the model reads and writes the buffers
             p.data = as_tensor(sharded.params[name])
             grad = None if self.sharded_gradients else as_tensor(sharded.grads[name])
@@ -124,20 +143,29 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         if overlap or self.sharded_gradients:
             method = "_hand_over" if self.sharded_gradients else "_grad_ready"
             for name, p in named.items():
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, name=name: _call(ref, method, name)))
-        if overlap:
-            self._hooks.append(module.register_forward_pre_hook(
-                lambda *_: _call(ref, "wait")))
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, name=name: _call(ref, method, name)
+                    )
+                )
+        if overlap and module is not None:  # (overlap without a module raised above)
+            self._hooks.append(module.register_forward_pre_hook(lambda *_: _call(ref, "wait")))
             if hasattr(module, "register_state_dict_pre_hook"):
-                self._hooks.append(module.register_state_dict_pre_hook(
-                    lambda *_, **__: _call(ref, "wait")))
+                self._hooks.append(
+                    module.register_state_dict_pre_hook(lambda *_, **__: _call(ref, "wait"))
+                )
         rule_options = sharded.rule.options
         self._building = True
         super().__init__(
-            [{"params": [named[name] for name in group["names"]],
-              **{key: group[key] for key in rule_options}} for group in sharded.param_groups],
-            _defaults(cls, rule_options, options))
+            [
+                {
+                    "params": [named[name] for name in group["names"]],
+                    **{key: group[key] for key in rule_options},
+                }
+                for group in sharded.param_groups
+            ],
+            _defaults(cls, rule_options, options),
+        )
         self._building = False
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------
@@ -150,8 +178,9 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        problem = (None if self.sharded_gradients else self._repair_grads()) \
-            or self._binding_problem()
+        problem = (
+            None if self.sharded_gradients else self._repair_grads()
+        ) or self._binding_problem()
         for group, target in zip(self.param_groups, self.sharded.param_groups):
             for key in self.sharded.rule.options:
                 target[key] = group[key]
@@ -167,8 +196,10 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if not getattr(self, "_building", False):
-            raise NotImplementedError("the flat buffers are laid out when ZeroOptimizer is "
-                                      "built: pass every param group to it then")
+            raise NotImplementedError(
+                "the flat buffers are laid out when ZeroOptimizer is "
+                "built: pass every param group to it then"
+            )
         super().add_param_group(param_group)
 
     def state_dict(self):
@@ -216,15 +247,17 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             p.data = p.data.clone()
             p.grad = None
             delattr(p, OWNER)
+        unbound: Any = None  # no more steps: close() takes the core from _unbound
         self._hooks, self._binding = [], {}
-        self._unbound, self.sharded = self.sharded, None
+        self._unbound, self.sharded = self.sharded, unbound
 
     def close(self) -> None:
         """Give the parameters back (``unbind``) and close the core optimizer
         (``ShardedOptimizer.close``: communicators, requests, threads and buffers freed);
         later steps raise naming close(). Idempotent; must be called on all ranks.
         ``with ZeroOptimizer(...) as opt:`` calls it when the block ends."""
-        sharded = self.sharded or getattr(self, "_unbound", None)
+        # bound, or unbound (and _unbound holds it)
+        sharded = cast(ShardedOptimizer, self.sharded or getattr(self, "_unbound", None))
         if self._binding:
             self.unbind()
         self.sharded = sharded  # closed: its methods raise, naming close()
@@ -264,8 +297,10 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         try:
             self.sharded.grads_ready([name])
         except ValueError as exc:
-            raise ValueError(f"{exc}. With overlap=True, run every backward before the last "
-                             "of a step inside `with opt.no_sync():`") from None
+            raise ValueError(
+                f"{exc}. With overlap=True, run every backward before the last "
+                "of a step inside `with opt.no_sync():`"
+            ) from None
 
     def _repair_grads(self) -> str | None:
         for name, (p, _, grad, _) in self._binding.items():
@@ -281,12 +316,15 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         p, _, grad, _ = self._binding[name]
         if p.grad is None:
             grad.zero_()
-        elif p.grad.shape != grad.shape or p.grad.dtype != grad.dtype or \
-                p.grad.device != grad.device:
-            return (f"the .grad of parameter {name!r} was replaced by a {p.grad.dtype} tensor "
-                    f"of shape {tuple(p.grad.shape)} on {p.grad.device}, unlike the parameter "
-                    f"({grad.dtype}, {tuple(grad.shape)}, {grad.device}): leave .grad to "
-                    "autograd and opt.zero_grad()")
+        elif (
+            p.grad.shape != grad.shape or p.grad.dtype != grad.dtype or p.grad.device != grad.device
+        ):
+            return (
+                f"the .grad of parameter {name!r} was replaced by a {p.grad.dtype} tensor "
+                f"of shape {tuple(p.grad.shape)} on {p.grad.device}, unlike the parameter "
+                f"({grad.dtype}, {tuple(grad.shape)}, {grad.device}): leave .grad to "
+                "autograd and opt.zero_grad()"
+            )
         else:
             grad.copy_(p.grad)
         p.grad = grad
@@ -295,23 +333,30 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
     def _binding_problem(self) -> str | None:
         """A message if a bound parameter no longer lives in the flat buffers."""
         for name, (p, data_ptr, grad, grad_ptr) in self._binding.items():
-            if p.data_ptr() != data_ptr or (grad is not None and (
-                    p.dtype != grad.dtype or p.device != grad.device
-                    or grad.data_ptr() != grad_ptr)):
-                return (f"parameter {name!r} no longer lives in the optimizer's buffers (it is "
-                        f"now {p.dtype} on {p.device}: the module was moved with .to(), "
-                        ".cuda(), .half(), ..., or p.data was replaced, after ZeroOptimizer "
-                        "bound it), so training would update a copy: move the model first, "
-                        "then build the optimizer (opt.unbind() and a new ZeroOptimizer to "
-                        "change device or dtype later)")
+            if p.data_ptr() != data_ptr or (
+                grad is not None
+                and (
+                    p.dtype != grad.dtype or p.device != grad.device or grad.data_ptr() != grad_ptr
+                )
+            ):
+                return (
+                    f"parameter {name!r} no longer lives in the optimizer's buffers (it is "
+                    f"now {p.dtype} on {p.device}: the module was moved with .to(), "
+                    ".cuda(), .half(), ..., or p.data was replaced, after ZeroOptimizer "
+                    "bound it), so training would update a copy: move the model first, "
+                    "then build the optimizer (opt.unbind() and a new ZeroOptimizer to "
+                    "change device or dtype later)"
+                )
         if self.module is not None:
             current = dict(self.module.named_parameters())
             for name, (p, _, _, _) in self._binding.items():
                 if name in current and current[name] is not p:
-                    return (f"parameter {name!r} of the module was replaced by a new tensor "
-                            "after ZeroOptimizer bound the old one, which it would go on "
-                            "training: assign values in place (with torch.no_grad(): "
-                            "p.copy_(...)) or build the optimizer after replacing it")
+                    return (
+                        f"parameter {name!r} of the module was replaced by a new tensor "
+                        "after ZeroOptimizer bound the old one, which it would go on "
+                        "training: assign values in place (with torch.no_grad(): "
+                        "p.copy_(...)) or build the optimizer after replacing it"
+                    )
         return None
 
 
@@ -328,43 +373,57 @@ def _named_groups(params, module) -> list[dict]:
     if isinstance(params, torch.nn.Module):
         return [{"params": {n: p for n, p in params.named_parameters() if p.requires_grad}}]
     if isinstance(params, torch.Tensor):
-        raise TypeError("params is a single tensor: pass the module, {name: tensor}, or "
-                        "param groups")
+        raise TypeError(
+            "params is a single tensor: pass the module, {name: tensor}, or param groups"
+        )
     if isinstance(params, Mapping):
         raw = [{"params": params}]
     else:
         params = list(params)
-        raw = params if params and all(isinstance(g, Mapping) for g in params) \
+        raw = (
+            params
+            if params and all(isinstance(g, Mapping) for g in params)
             else [{"params": params}]
+        )
     names = None if module is None else {id(p): n for n, p in module.named_parameters()}
-    groups, seen = [], {}
+    groups: list[dict] = []
+    seen: dict[int, str] = {}  # id(parameter) -> its name
     for index, group in enumerate(raw):
-        members = group.get("params")
+        members: Any = group.get("params")  # a mapping, (name, p) pairs or tensors
         if isinstance(members, Mapping):
             members = list(members.items())
         elif isinstance(members, torch.Tensor) or members is None:
-            raise TypeError(f"param group {index}: 'params' must hold named parameters "
-                            "({name: p} or (name, p) pairs), or tensors with module=")
+            raise TypeError(
+                f"param group {index}: 'params' must hold named parameters "
+                "({name: p} or (name, p) pairs), or tensors with module="
+            )
         named = {}
         for item in members:
             if isinstance(item, torch.Tensor):
                 if names is None or id(item) not in names:
-                    raise TypeError(f"param group {index} lists a tensor without its name: "
-                                    "pass {name: p} (e.g. dict(model.named_parameters())), or "
-                                    "module=model to name it" + ("" if names is None else
-                                                                 " (it is not a parameter "
-                                                                 "of that module)"))
+                    raise TypeError(
+                        f"param group {index} lists a tensor without its name: "
+                        "pass {name: p} (e.g. dict(model.named_parameters())), or "
+                        "module=model to name it"
+                        + ("" if names is None else " (it is not a parameter of that module)")
+                    )
                 item = (names[id(item)], item)
             name, p = item
             if not isinstance(p, torch.Tensor) or not p.is_leaf:
-                raise TypeError(f"parameter {name!r} must be a leaf tensor (an nn.Parameter), "
-                                f"got {type(p).__name__}")
+                raise TypeError(
+                    f"parameter {name!r} must be a leaf tensor (an nn.Parameter), "
+                    f"got {type(p).__name__}"
+                )
             if not p.requires_grad:
-                raise ValueError(f"parameter {name!r} does not require grad: leave it out, or "
-                                 "set requires_grad=True")
+                raise ValueError(
+                    f"parameter {name!r} does not require grad: leave it out, or "
+                    "set requires_grad=True"
+                )
             if id(p) in seen:
-                raise ValueError(f"the same tensor is given as {seen[id(p)]!r} and {name!r}: "
-                                 "pass a tied parameter once")
+                raise ValueError(
+                    f"the same tensor is given as {seen[id(p)]!r} and {name!r}: "
+                    "pass a tied parameter once"
+                )
             seen[id(p)] = name
             named[name] = p
         groups.append({**group, "params": named})
@@ -375,27 +434,37 @@ def _check_unbound(named: dict) -> None:
     for name, p in named.items():
         owner = getattr(p, OWNER, lambda: None)()
         if owner is not None and owner.sharded is not None:
-            raise ValueError(f"parameter {name!r} is already bound to another ZeroOptimizer: "
-                             "call its unbind() (or drop it) first")
+            raise ValueError(
+                f"parameter {name!r} is already bound to another ZeroOptimizer: "
+                "call its unbind() (or drop it) first"
+            )
 
 
 def _use_device_of(named: dict) -> None:
     """Check that the parameters share one device; make a CUDA one CuPy's current device."""
     devices = {p.device for p in named.values()}
     if len(devices) > 1:
-        raise ValueError(f"the parameters are on several devices {sorted(map(str, devices))}: "
-                         "move the model to one device before building ZeroOptimizer")
+        raise ValueError(
+            f"the parameters are on several devices {sorted(map(str, devices))}: "
+            "move the model to one device before building ZeroOptimizer"
+        )
     (device,) = devices
     if device.type == "cuda":
         import cupy
+
         cupy.cuda.Device(device.index).use()
     elif device.type != "cpu":
-        raise ValueError(f"parameters on {device}: zero1_mpi keeps them on the CPU (NumPy) or "
-                         "a CUDA device (CuPy)")
+        raise ValueError(
+            f"parameters on {device}: zero1_mpi keeps them on the CPU (NumPy) or "
+            "a CUDA device (CuPy)"
+        )
 
 
 def _defaults(cls, keys, options: dict) -> dict:
     """The rule options each new group would take: the given ones, else the class's."""
     signature = inspect.signature(cls).parameters
-    return {key: options[key] if key in options else signature[key].default for key in keys
-            if key in options or key in signature}
+    return {
+        key: options[key] if key in options else signature[key].default
+        for key in keys
+        if key in options or key in signature
+    }

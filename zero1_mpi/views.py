@@ -19,8 +19,9 @@ class Views(Mapping):
     """The tensors of ``layout`` as views of ``flat``; ``before_read`` runs before each lookup."""
 
     def __init__(self, layout, flat, before_read=None):
-        self._views = {t.name: flat[t.offset:t.offset + t.numel].reshape(t.shape)
-                       for t in layout.tensors}
+        self._views = {
+            t.name: flat[t.offset : t.offset + t.numel].reshape(t.shape) for t in layout.tensors
+        }
         self._before_read = before_read
 
     def __getitem__(self, name):
@@ -39,8 +40,10 @@ class NoFullGradients(Mapping):
     """``grads`` with ``shard_gradients``: no rank holds the full gradient to view."""
 
     def __getitem__(self, name):
-        raise KeyError(f"opt.grads[{name!r}]: with shard_gradients=True no rank holds the full "
-                       "gradient: hand it over with opt.add_grad(name, grad)")
+        raise KeyError(
+            f"opt.grads[{name!r}]: with shard_gradients=True no rank holds the full "
+            "gradient: hand it over with opt.add_grad(name, grad)"
+        )
 
     def __iter__(self):
         return iter(())
@@ -51,9 +54,11 @@ class NoFullGradients(Mapping):
 
 def closed_error(owner: str, what: str) -> RuntimeError:
     """What using ``owner.what`` raises once the optimizer is closed."""
-    return RuntimeError(f"{owner}.{what}: this optimizer was closed (close(), or the end of its "
-                        "with-block), which released its buffers and communicators: build a "
-                        "new optimizer (a checkpoint saved before close() loads into it)")
+    return RuntimeError(
+        f"{owner}.{what}: this optimizer was closed (close(), or the end of its "
+        "with-block), which released its buffers and communicators: build a "
+        "new optimizer (a checkpoint saved before close() loads into it)"
+    )
 
 
 class Closed(Mapping):

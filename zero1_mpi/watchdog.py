@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+from typing import cast
 
 __all__ = ["Watchdog", "watched", "check_step_timeout", "EXIT_GRACE_SECONDS", "EXIT_STATUS"]
 
@@ -32,13 +33,19 @@ def check_step_timeout(value) -> float | None:
     """``value`` as float seconds (None: no watchdog), or a ValueError naming it and the fix."""
     if value is None:
         return None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) \
-            and math.isfinite(float(value)) and float(value) > 0:
+    if (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+        and float(value) > 0
+    ):
         return float(value)
-    raise ValueError(f"step_timeout={value!r} must be a positive, finite number of seconds (the "
-                     "longest a step() may wait for its collectives before the job is ended, "
-                     "e.g. 600) or None (no "
-                     "watchdog)")
+    raise ValueError(
+        f"step_timeout={value!r} must be a positive, finite number of seconds (the "
+        "longest a step() may wait for its collectives before the job is ended, "
+        "e.g. 600) or None (no "
+        "watchdog)"
+    )
 
 
 class Watchdog:
@@ -54,10 +61,18 @@ class Watchdog:
     The engine's thread writes ``phase`` and ``bucket``; ``arm``/``disarm`` frame a step.
     """
 
-    def __init__(self, timeout: float | None, rank: int = 0, abort=None, write=None,
-                 exit_grace: float = EXIT_GRACE_SECONDS, exit=os._exit):
+    def __init__(
+        self,
+        timeout: float | None,
+        rank: int = 0,
+        abort=None,
+        write=None,
+        exit_grace: float = EXIT_GRACE_SECONDS,
+        exit=os._exit,
+    ):
         self.timeout, self.rank = timeout, rank
-        self.step, self.phase, self.bucket = 0, "", None
+        self.step, self.phase = 0, ""
+        self.bucket: int | None = None
         self.armed = 0  # the token of the armed step, 0 when none is armed
         self._token = 0
         self._abort, self._write = abort, write
@@ -65,8 +80,9 @@ class Watchdog:
         self._closed = threading.Event()
         self._thread = None
         if timeout is not None:
-            self._thread = threading.Thread(target=self._watch, name="zero1_mpi watchdog",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._watch, name="zero1_mpi watchdog", daemon=True
+            )
             self._thread.start()
 
     def arm(self, step: int, phase: str) -> bool:
@@ -90,13 +106,16 @@ class Watchdog:
 
     def message(self) -> str:
         where = "" if self.bucket is None else f" of bucket {self.bucket}"
-        return (f"zero1_mpi: rank {self.rank}: step {self.step} has not finished "
-                f"{self.phase!r}{where} within {self.timeout:g} s (step_timeout): ending the "
-                "job (a rank stopped taking part, or the network between ranks failed; the "
-                "other ranks' lines say where they waited)\n")
+        return (
+            f"zero1_mpi: rank {self.rank}: step {self.step} has not finished "
+            f"{self.phase!r}{where} within {self.timeout:g} s (step_timeout): ending the "
+            "job (a rank stopped taking part, or the network between ranks failed; the "
+            "other ranks' lines say where they waited)\n"
+        )
 
     def _watch(self) -> None:
-        interval = max(self.timeout / 4, 0.01)
+        timeout = cast(float, self.timeout)  # the thread runs only with a timeout
+        interval = max(timeout / 4, 0.01)
         seen, since = 0, 0.0
         while not self._closed.wait(interval):
             token = self.armed
@@ -106,14 +125,18 @@ class Watchdog:
             now = time.monotonic()
             if token != seen:  # armed since the last look: the clock starts now
                 seen, since = token, now
-            elif now - since >= self.timeout and self.armed == token:
+            elif now - since >= timeout and self.armed == token:
                 self._fire()
                 return
 
     def _fire(self) -> None:
         """Write why, then end this process: MPI Abort, else ``os._exit`` after a grace."""
-        ender = threading.Thread(target=_exit_after, args=(self._exit_grace, self._exit),
-                                 name="zero1_mpi watchdog exit", daemon=True)
+        ender = threading.Thread(
+            target=_exit_after,
+            args=(self._exit_grace, self._exit),
+            name="zero1_mpi watchdog exit",
+            daemon=True,
+        )
         ender.start()
         text = self.message()
         try:
@@ -142,6 +165,7 @@ def watched(phase: str, ahead: int):
     """Decorator for a method of an object with ``watchdog`` and ``step_count``: the call is
     armed as step ``step_count + ahead`` in ``phase`` unless a step is armed already (a
     ``wait()`` inside ``step()``), and disarmed when it returns or raises."""
+
     def decorate(method):
         @functools.wraps(method)
         def run(self, *args, **kwargs):
@@ -152,5 +176,7 @@ def watched(phase: str, ahead: int):
             finally:
                 if armed:
                     watchdog.disarm()
+
         return run
+
     return decorate

@@ -16,11 +16,24 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["MemoryReport", "STAGES", "STAGE1_FP32", "MIXED_DTYPES", "FP32_DTYPES",
-           "bytes_per_param", "stage_terms", "stage_bytes", "baseline_bytes", "stage1_bytes",
-           "stage2_bytes",
-           "stage3_bytes", "stage1_fp32_bytes", "format_param_count", "parse_param_count",
-           "format_table"]
+__all__ = [
+    "MemoryReport",
+    "STAGES",
+    "STAGE1_FP32",
+    "MIXED_DTYPES",
+    "FP32_DTYPES",
+    "bytes_per_param",
+    "stage_terms",
+    "stage_bytes",
+    "baseline_bytes",
+    "stage1_bytes",
+    "stage2_bytes",
+    "stage3_bytes",
+    "stage1_fp32_bytes",
+    "format_param_count",
+    "parse_param_count",
+    "format_table",
+]
 
 #: Bytes per parameter of each stage: (fully replicated terms, terms divided among N ranks),
 #: in the seed's order: 16-bit params, 16-bit grads, fp32 master, fp32 m, fp32 v.
@@ -40,26 +53,31 @@ _UNITS = (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3))
 
 
 def _check(psi, n):
-    if (isinstance(psi, bool) or not isinstance(psi, numbers.Real)
-            or not math.isfinite(psi) or psi < 0):
+    if (
+        isinstance(psi, bool)
+        or not isinstance(psi, numbers.Real)
+        or not math.isfinite(psi)
+        or psi < 0
+    ):
         raise ValueError(f"psi={psi!r} must be a finite number of parameters >= 0, e.g. 7e9")
     if isinstance(n, bool):
         raise ValueError(f"n={n!r} must be an integer number of ranks >= 1, e.g. 8")
     try:
         n = operator.index(n)
     except TypeError:
-        raise ValueError(f"n={n!r} must be an integer number of ranks >= 1, e.g. 8; "
-                         f"pass int(n)") from None
+        raise ValueError(
+            f"n={n!r} must be an integer number of ranks >= 1, e.g. 8; pass int(n)"
+        ) from None
     if n < 1:
         raise ValueError(f"n={n!r} must be an integer number of ranks >= 1, e.g. 8")
     return float(psi), n
 
 
 def _check_k(k):
-    if (isinstance(k, bool) or not isinstance(k, numbers.Real) or not math.isfinite(k)
-            or k < 0):
-        raise ValueError(f"k={k!r} must be a finite number of bytes per parameter >= 0, "
-                         f"e.g. 12 for Adam")
+    if isinstance(k, bool) or not isinstance(k, numbers.Real) or not math.isfinite(k) or k < 0:
+        raise ValueError(
+            f"k={k!r} must be a finite number of bytes per parameter >= 0, e.g. 12 for Adam"
+        )
     return k
 
 
@@ -71,8 +89,10 @@ def bytes_per_param(state_names, param_dtype: str = "float16") -> int:
     elif param_dtype in FP32_DTYPES:
         master = 0
     else:
-        raise ValueError(f"no stage-1 formula for param_dtype={param_dtype!r}; known: "
-                         f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}")
+        raise ValueError(
+            f"no stage-1 formula for param_dtype={param_dtype!r}; known: "
+            f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}"
+        )
     return master + 4 * len(tuple(state_names))
 
 
@@ -82,8 +102,10 @@ def _replicated(param_dtype: str) -> tuple[int, int]:
         return 2, 2
     if param_dtype in FP32_DTYPES:
         return 4, 4
-    raise ValueError(f"no ZeRO formula for param_dtype={param_dtype!r}; known: "
-                     f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}")
+    raise ValueError(
+        f"no ZeRO formula for param_dtype={param_dtype!r}; known: "
+        f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}"
+    )
 
 
 def stage_terms(k=12, param_dtype: str = "float16", grad_dtype: str | None = None) -> dict:
@@ -97,8 +119,12 @@ def stage_terms(k=12, param_dtype: str = "float16", grad_dtype: str | None = Non
     if k == 12 and param == 2 and grad == 2:
         return STAGES
     sharded = (4,) * int(k // 4) if k % 4 == 0 else (k,)
-    return {"Baseline": ((param, grad) + sharded, ()), "Stage 1": ((param, grad), sharded),
-            "Stage 2": ((param,), (grad,) + sharded), "Stage 3": ((), (param, grad) + sharded)}
+    return {
+        "Baseline": ((param, grad) + sharded, ()),
+        "Stage 1": ((param, grad), sharded),
+        "Stage 2": ((param,), (grad,) + sharded),
+        "Stage 3": ((), (param, grad) + sharded),
+    }
 
 
 def _per_rank(terms, psi, n, unit=1):
@@ -120,8 +146,9 @@ def stage1_bytes(psi, n, k=12) -> float:
     return _per_rank(stage_terms(k)["Stage 1"], psi, n)
 
 
-def stage_bytes(psi, n, stage: int, k=12, param_dtype: str = "float16",
-                grad_dtype: str | None = None) -> float:
+def stage_bytes(
+    psi, n, stage: int, k=12, param_dtype: str = "float16", grad_dtype: str | None = None
+) -> float:
     """Per-rank bytes of ZeRO ``stage`` (0: the baseline, 1, 2 or 3), as ``stage_terms`` gives
     them: what ``MemoryReport.formula_bytes`` holds stage 2 to, and the table's columns."""
     names = ("Baseline", "Stage 1", "Stage 2", "Stage 3")
@@ -161,24 +188,32 @@ def parse_param_count(text: str) -> int:
     """``'7B'``, ``'125M'``, ``'10k'``, ``'1.3e9'``, ``'10000'`` -> a whole number of parameters."""
     raw = str(text).strip()
     scale = 1
-    for suffix, value in _UNITS:
+    for suffix, unit in _UNITS:
         if raw.upper().endswith(suffix):
-            raw, scale = raw[:-1], value
+            raw, scale = raw[:-1], unit
             break
     try:
         value = Decimal(raw) * scale
     except InvalidOperation:
-        raise ValueError(f"parameter count {text!r} is not a number; write e.g. 7B, 125M, "
-                         f"10k, 1.3e9 or 10000") from None
+        raise ValueError(
+            f"parameter count {text!r} is not a number; write e.g. 7B, 125M, 10k, 1.3e9 or 10000"
+        ) from None
     if not value.is_finite() or value < 0 or value != value.to_integral_value():
-        raise ValueError(f"parameter count {text!r} must be a whole number >= 0, "
-                         f"e.g. 7B, 1.3e9 or 10000")
+        raise ValueError(
+            f"parameter count {text!r} must be a whole number >= 0, e.g. 7B, 1.3e9 or 10000"
+        )
     return int(value)
 
 
-def format_table(params, gpu_counts, k=12, label: str | None = None,
-                 shard_group: int | None = None, param_dtype: str = "float16",
-                 offload: bool = False) -> str:
+def format_table(
+    params,
+    gpu_counts,
+    k=12,
+    label: str | None = None,
+    shard_group: int | None = None,
+    param_dtype: str = "float16",
+    offload: bool = False,
+) -> str:
     """The seed's per-GPU memory table (GB = 1e9 bytes) for ``params`` and each GPU count;
     ``k``: bytes per parameter of the optimizer's sharded part (``label`` names it in the
     title; Adam's 12 and no label give the seed's table). ``shard_group``: hierarchical
@@ -205,23 +240,37 @@ def format_table(params, gpu_counts, k=12, label: str | None = None,
     if shard_group is not None:
         extra.append(f"sharded within groups of {shard_group} GPUs")
     head = f"{'GPUs':>6}{'Baseline':>12}{'Stage 1':>11}{'Stage 2':>11}{'Stage 3':>11}"
-    lines = [title + "".join(f", {e}" for e in extra),
-             head + (f"{'S1 device':>11}{'S1 host':>11}" if offload else ""),
-             "-" * (74 if offload else 52)]
+    lines = [
+        title + "".join(f", {e}" for e in extra),
+        head + (f"{'S1 device':>11}{'S1 host':>11}" if offload else ""),
+        "-" * (74 if offload else 52),
+    ]
     for n in counts:
         ways = n if shard_group is None else shard_group
-        gb = [_per_rank(terms[name], params, 1 if name == "Baseline" else ways, unit=1e9)
-              for name in terms]
+        gb = [
+            _per_rank(terms[name], params, 1 if name == "Baseline" else ways, unit=1e9)
+            for name in terms
+        ]
         if offload:
             replicated, sharded = terms["Stage 1"]
-            gb += [_per_rank((replicated, ()), params, ways, unit=1e9),
-                   _per_rank(((), sharded), params, ways, unit=1e9)]
+            gb += [
+                _per_rank((replicated, ()), params, ways, unit=1e9),
+                _per_rank(((), sharded), params, ways, unit=1e9),
+            ]
         lines.append(f"{n:>6}{gb[0]:>11.1f}G" + "".join(f"{x:>10.1f}G" for x in gb[1:]))
     return "\n".join(lines)
 
 
-_BYTE_FIELDS = ("parameters", "gradients", "master_weights", "padding", "comm_scratch",
-                "host_padding", "host_scratch", "checkpoint_buffer")
+_BYTE_FIELDS = (
+    "parameters",
+    "gradients",
+    "master_weights",
+    "padding",
+    "comm_scratch",
+    "host_padding",
+    "host_scratch",
+    "checkpoint_buffer",
+)
 
 
 @dataclass(frozen=True)
@@ -268,35 +317,58 @@ class MemoryReport:
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
             object.__setattr__(self, name, _count(f"MemoryReport.{name}", getattr(self, name)))
         if not isinstance(self.state, Mapping):
-            raise ValueError(f"MemoryReport.state={self.state!r} must map each state array's "
-                             f"name to its bytes, e.g. {{'exp_avg': 4096}}")
+            raise ValueError(
+                f"MemoryReport.state={self.state!r} must map each state array's "
+                f"name to its bytes, e.g. {{'exp_avg': 4096}}"
+            )
         state = {}
         for name, value in self.state.items():
             if not isinstance(name, str) or not name or name in _BYTE_FIELDS:
-                raise ValueError(f"MemoryReport.state has a bad name {name!r}: a rule's state "
-                                 f"array name such as 'exp_avg'")
+                raise ValueError(
+                    f"MemoryReport.state has a bad name {name!r}: a rule's state "
+                    f"array name such as 'exp_avg'"
+                )
             state[name] = _count(f"MemoryReport.state[{name!r}]", value)
         object.__setattr__(self, "state", state)
         if self.group_size < 1 or self.rank >= self.group_size:
-            raise ValueError(f"MemoryReport rank={self.rank} group_size={self.group_size}: "
-                             f"need group_size >= 1 and 0 <= rank < group_size")
+            raise ValueError(
+                f"MemoryReport rank={self.rank} group_size={self.group_size}: "
+                f"need group_size >= 1 and 0 <= rank < group_size"
+            )
         if not isinstance(self.param_dtype, str):
-            raise ValueError(f"MemoryReport.param_dtype={self.param_dtype!r} must be a dtype "
-                             f"name such as 'float16'; pass numpy.dtype(d).name")
+            raise ValueError(
+                f"MemoryReport.param_dtype={self.param_dtype!r} must be a dtype "
+                f"name such as 'float16'; pass numpy.dtype(d).name"
+            )
         if not isinstance(self.offloaded, bool):
             raise ValueError(f"MemoryReport.offloaded={self.offloaded!r} must be True or False")
-        if self.grad_shard_dtype is not None and \
-                self.grad_shard_dtype not in MIXED_DTYPES + FP32_DTYPES:
-            raise ValueError(f"MemoryReport.grad_shard_dtype={self.grad_shard_dtype!r} must be "
-                             f"None (stage 1) or one of {', '.join(MIXED_DTYPES + FP32_DTYPES)}")
+        if (
+            self.grad_shard_dtype is not None
+            and self.grad_shard_dtype not in MIXED_DTYPES + FP32_DTYPES
+        ):
+            raise ValueError(
+                f"MemoryReport.grad_shard_dtype={self.grad_shard_dtype!r} must be "
+                f"None (stage 1) or one of {', '.join(MIXED_DTYPES + FP32_DTYPES)}"
+            )
         if self.rule is not None and not isinstance(self.rule, str):
-            raise ValueError(f"MemoryReport.rule={self.rule!r} must be a rule name such as "
-                             f"'adam', or None")
+            raise ValueError(
+                f"MemoryReport.rule={self.rule!r} must be a rule name such as 'adam', or None"
+            )
 
     def __hash__(self):
-        return hash((*(getattr(self, name) for name in _BYTE_FIELDS),
-                     frozenset(self.state.items()), self.psi, self.group_size, self.rank,
-                     self.param_dtype, self.rule, self.offloaded, self.grad_shard_dtype))
+        return hash(
+            (
+                *(getattr(self, name) for name in _BYTE_FIELDS),
+                frozenset(self.state.items()),
+                self.psi,
+                self.group_size,
+                self.rank,
+                self.param_dtype,
+                self.rule,
+                self.offloaded,
+                self.grad_shard_dtype,
+            )
+        )
 
     @property
     def total(self) -> int:
@@ -356,8 +428,9 @@ class MemoryReport:
         bytes per element (Adam, 16-bit: 2Ψ+14Ψ/N, or 2Ψ+16Ψ/N for an fp32 shard)."""
         k = self.bytes_per_param
         if self.grad_shard_dtype is not None:  # the table's Stage 2 column, this rule's K
-            return stage_bytes(self.psi, self.group_size, 2, k, self.param_dtype,
-                               self.grad_shard_dtype)
+            return stage_bytes(
+                self.psi, self.group_size, 2, k, self.param_dtype, self.grad_shard_dtype
+            )
         if self.param_dtype in FP32_DTYPES:
             return stage1_fp32_bytes(self.psi, self.group_size, k)
         return stage1_bytes(self.psi, self.group_size, k)
@@ -386,32 +459,37 @@ class MemoryReport:
     def __str__(self) -> str:
         mib = 2.0**20
         rule = f", {self.rule}" if self.rule else ""
-        lines = [f"rank {self.rank}/{self.group_size}: {self.psi} {self.param_dtype} "
-                 f"parameters{rule}",
-                 f"  {'category':<16}{'bytes':>14}{'MiB':>11}"]
+        lines = [
+            f"rank {self.rank}/{self.group_size}: {self.psi} {self.param_dtype} parameters{rule}",
+            f"  {'category':<16}{'bytes':>14}{'MiB':>11}",
+        ]
         rows = [(name, getattr(self, name)) for name in _BYTE_FIELDS[:3]]
         rows += list(self.state.items())
         split = self.offloaded or self.host_bytes > 0  # a device and a host side to show
-        rows += [(name, getattr(self, name))
-                 for name in _BYTE_FIELDS[3:8 if split else 5] + ("total",)
-                 if name != "checkpoint_buffer" or self.checkpoint_buffer]
+        rows += [
+            (name, getattr(self, name))
+            for name in _BYTE_FIELDS[3 : 8 if split else 5] + ("total",)
+            if name != "checkpoint_buffer" or self.checkpoint_buffer
+        ]
         if split:
             rows += [("device", self.device_bytes), ("host", self.host_bytes)]
         for name, value in rows:
             lines.append(f"  {name:<16}{value:>14}{value / mib:>11.2f}")
         if self.param_dtype in MIXED_DTYPES + FP32_DTYPES:
             formula = self.formula_bytes
-            lines.append(f"  {'formula':<16}{formula:>14.0f}{formula / mib:>11.2f}"
-                         f"  ({self.formula_label})")
+            lines.append(
+                f"  {'formula':<16}{formula:>14.0f}{formula / mib:>11.2f}  ({self.formula_label})"
+            )
             if self.offloaded:
                 for side in ("device", "host"):
                     value = getattr(self, f"{side}_formula_bytes")
-                    lines.append(f"  {side + ' formula':<16}{value:>14.0f}"
-                                 f"{value / mib:>11.2f}")
+                    lines.append(f"  {side + ' formula':<16}{value:>14.0f}{value / mib:>11.2f}")
             diff = self.total - formula
-            lines.append(f"  {'difference':<16}{diff:>14.0f}{diff / mib:>11.2f}"
-                         f"  (total - formula: padding + scratch"
-                         f"{' + checkpoint buffer' if self.checkpoint_buffer else ''})")
+            lines.append(
+                f"  {'difference':<16}{diff:>14.0f}{diff / mib:>11.2f}"
+                f"  (total - formula: padding + scratch"
+                f"{' + checkpoint buffer' if self.checkpoint_buffer else ''})"
+            )
         return "\n".join(lines)
 
 

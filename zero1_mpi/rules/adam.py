@@ -16,15 +16,21 @@ import numpy as np
 
 from .. import backend
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels_numba import FP16_TABLE, NumbaKernel, fp32_chunk, jit, param_bits, round_params, \
-    split_grad
+from ..kernels_numba import (
+    FP16_TABLE,
+    NumbaKernel,
+    fp32_chunk,
+    jit,
+    param_bits,
+    round_params,
+    split_grad,
+)
 from ..reductions import NUMPY_CHUNK
 from ..rule import Rule
 from .options import betas as check_betas
 from .options import non_negative
 
-__all__ = ["Adam", "AdamScalars", "NumpyAdam", "NumbaAdam", "CupyAdam", "ZeroAdam",
-           "ZeroAdamW"]
+__all__ = ["Adam", "AdamScalars", "NumpyAdam", "NumbaAdam", "CupyAdam", "ZeroAdam", "ZeroAdamW"]
 
 
 class Adam(Rule):
@@ -50,13 +56,17 @@ class Adam(Rule):
     @staticmethod
     def check_options(lr, betas, eps, weight_decay) -> dict:
         """The four Adam options as floats, or a ValueError naming the bad one."""
-        return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.999)"),
-                "eps": non_negative(eps, "eps", " (torch's default is 1e-8)"),
-                "weight_decay": non_negative(weight_decay, "weight_decay")}
+        return {
+            "lr": non_negative(lr, "lr"),
+            "betas": check_betas(betas, "(0.9, 0.999)"),
+            "eps": non_negative(eps, "eps", " (torch's default is 1e-8)"),
+            "weight_decay": non_negative(weight_decay, "weight_decay"),
+        }
 
     def scalars(self, step: int, options: dict, grad_scale: float) -> AdamScalars:
-        return AdamScalars.for_step(step, **options, decoupled=self.decoupled,
-                                    grad_scale=grad_scale)
+        return AdamScalars.for_step(
+            step, **options, decoupled=self.decoupled, grad_scale=grad_scale
+        )
 
     def kernel(self, kind: str, largest: int = NUMPY_CHUNK):
         if kind == "cupy":
@@ -70,29 +80,36 @@ class Adam(Rule):
 class AdamScalars:
     """Host scalars of one step for one parameter group."""
 
-    grad_scale: float      # multiplies the incoming gradient (1/world_size for a mean)
+    grad_scale: float  # multiplies the incoming gradient (1/world_size for a mean)
     beta1: float
     beta2: float
     one_minus_beta1: float  # computed on the host in double, as torch does
     one_minus_beta2: float
     eps: float
-    l2: float              # Adam: weight_decay added to the gradient as weight_decay * p
-    decay: float           # AdamW: p *= decay, with decay = 1 - lr * weight_decay
-    step_size: float       # lr / (1 - beta1**step)
-    bc2_sqrt: float        # sqrt(1 - beta2**step)
+    l2: float  # Adam: weight_decay added to the gradient as weight_decay * p
+    decay: float  # AdamW: p *= decay, with decay = 1 - lr * weight_decay
+    step_size: float  # lr / (1 - beta1**step)
+    bc2_sqrt: float  # sqrt(1 - beta2**step)
 
     @classmethod
     def for_step(cls, step: int, *, lr, betas, eps, weight_decay, decoupled, grad_scale=1.0):
         beta1, beta2 = betas
-        return cls(grad_scale=float(grad_scale), beta1=float(beta1), beta2=float(beta2),
-                   one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2, eps=float(eps),
-                   l2=0.0 if decoupled else float(weight_decay),
-                   decay=1.0 - lr * weight_decay if decoupled else 1.0,
-                   step_size=lr / (1.0 - beta1 ** step),
-                   bc2_sqrt=math.sqrt(1.0 - beta2 ** step))
+        return cls(
+            grad_scale=float(grad_scale),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            one_minus_beta1=1.0 - beta1,
+            one_minus_beta2=1.0 - beta2,
+            eps=float(eps),
+            l2=0.0 if decoupled else float(weight_decay),
+            decay=1.0 - lr * weight_decay if decoupled else 1.0,
+            step_size=lr / (1.0 - beta1**step),
+            bc2_sqrt=math.sqrt(1.0 - beta2**step),
+        )
 
 
 # -- the NumPy twin ------------------------------------------------------------------------------
+
 
 class NumpyAdam:
     """In place, chunked; scratch is allocated once, never per step."""
@@ -109,65 +126,105 @@ class NumpyAdam:
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         for start in range(0, master.size, self.chunk):
             stop = min(start + self.chunk, master.size)
-            self._update(grad[start:stop], master[start:stop], exp_avg[start:stop],
-                         exp_avg_sq[start:stop], None if param is None else param[start:stop], s)
+            self._update(
+                grad[start:stop],
+                master[start:stop],
+                exp_avg[start:stop],
+                exp_avg_sq[start:stop],
+                None if param is None else param[start:stop],
+                s,
+            )
 
     def _update(self, grad, p, m, v, param, s: AdamScalars) -> None:
-        g, t = self._g[:p.size], self._t[:p.size]
+        g, t = self._g[: p.size], self._t[: p.size]
         np.multiply(grad, s.grad_scale, out=g, dtype=np.float32)  # g = mean gradient, in fp32
         if s.l2:
-            np.multiply(p, s.l2, out=t)                            # Adam: g += wd * p
+            np.multiply(p, s.l2, out=t)  # Adam: g += wd * p
             g += t
-        np.subtract(g, m, out=t)                                   # m = lerp(m, g, 1 - beta1)
+        np.subtract(g, m, out=t)  # m = lerp(m, g, 1 - beta1)
         t *= s.one_minus_beta1
         m += t
-        v *= s.beta2                                               # v = beta2 v + (1-beta2) g^2
+        v *= s.beta2  # v = beta2 v + (1-beta2) g^2
         np.multiply(g, g, out=t)
         t *= s.one_minus_beta2
         v += t
         if s.decay != 1.0:
-            p *= s.decay                                           # AdamW: p *= 1 - lr * wd
-        np.sqrt(v, out=t)                                          # denom = sqrt(v)/bc2_sqrt + eps
+            p *= s.decay  # AdamW: p *= 1 - lr * wd
+        np.sqrt(v, out=t)  # denom = sqrt(v)/bc2_sqrt + eps
         t /= s.bc2_sqrt
         t += s.eps
-        np.divide(m, t, out=t)                                     # p -= step_size * m / denom
+        np.divide(m, t, out=t)  # p -= step_size * m / denom
         t *= -s.step_size
         p += t
         if param is not None:
-            np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
+            np.copyto(param, p, casting="unsafe")  # round to the 16-bit dtype
 
 
 # -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
 
+
 @jit(inline="never")
-def _numba_update(grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step,
-                  bc2_sqrt):
+def _numba_update(
+    grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt
+):
     """One chunk, fp32 gradient in, state in place."""
     for i in range(master.size):
-        g = grad[i] * grad_scale                         # mean gradient
+        g = grad[i] * grad_scale  # mean gradient
         p = master[i]
         if l2 != 0:
-            g = g + p * l2                               # Adam: L2 term
+            g = g + p * l2  # Adam: L2 term
         mi = m[i]
-        mi = mi + (g - mi) * omb1                        # m = lerp(m, g, 1 - beta1)
-        vi = v[i] * beta2 + (g * g) * omb2               # v = beta2 v + (1 - beta2) g^2
+        mi = mi + (g - mi) * omb1  # m = lerp(m, g, 1 - beta1)
+        vi = v[i] * beta2 + (g * g) * omb2  # v = beta2 v + (1 - beta2) g^2
         if decay != 1:
-            p = p * decay                                # AdamW: p *= 1 - lr wd
-        denom = np.sqrt(vi) / bc2_sqrt + eps             # bias-corrected sqrt(v) + eps
+            p = p * decay  # AdamW: p *= 1 - lr wd
+        denom = np.sqrt(vi) / bc2_sqrt + eps  # bias-corrected sqrt(v) + eps
         m[i] = mi
         v[i] = vi
-        master[i] = p + (mi / denom) * neg_step          # p -= lr / (1 - beta1^t) m / denom
+        master[i] = p + (mi / denom) * neg_step  # p -= lr / (1 - beta1^t) m / denom
 
 
 @jit
-def _numba_adam(grad32, grad16, grad_kind, master, m, v, param16, param_kind, table, scratch,
-                grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt):
+def _numba_adam(
+    grad32,
+    grad16,
+    grad_kind,
+    master,
+    m,
+    v,
+    param16,
+    param_kind,
+    table,
+    scratch,
+    grad_scale,
+    beta2,
+    omb1,
+    omb2,
+    eps,
+    l2,
+    decay,
+    neg_step,
+    bc2_sqrt,
+):
     n = master.size
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
         grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        _numba_update(grad, master[start:stop], m[start:stop], v[start:stop], grad_scale,
-                      beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt)
+        _numba_update(
+            grad,
+            master[start:stop],
+            m[start:stop],
+            v[start:stop],
+            grad_scale,
+            beta2,
+            omb1,
+            omb2,
+            eps,
+            l2,
+            decay,
+            neg_step,
+            bc2_sqrt,
+        )
         round_params(master[start:stop], param16[start:stop], param_kind)
 
 
@@ -176,17 +233,33 @@ class NumbaAdam(NumbaKernel):
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
         f = np.float32
-        _numba_adam(*split_grad(grad), master, exp_avg, exp_avg_sq, *param_bits(param),
-                    FP16_TABLE, self._scratch, f(s.grad_scale), f(s.beta2),
-                    f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.eps), f(s.l2), f(s.decay),
-                    f(-s.step_size), f(s.bc2_sqrt))
+        _numba_adam(
+            *split_grad(grad),
+            master,
+            exp_avg,
+            exp_avg_sq,
+            *param_bits(param),
+            FP16_TABLE,
+            self._scratch,
+            f(s.grad_scale),
+            f(s.beta2),
+            f(s.one_minus_beta1),
+            f(s.one_minus_beta2),
+            f(s.eps),
+            f(s.l2),
+            f(s.decay),
+            f(-s.step_size),
+            f(s.bc2_sqrt),
+        )
 
 
 # -- the CuPy twin; ``grad`` and ``param`` are templated (G, P): float32, float16 or bfloat16 ----
 
-_CUDA_IN = ("G grad, float32 grad_scale, float32 beta2, float32 one_minus_beta1, "
-            "float32 one_minus_beta2, float32 eps, float32 l2, float32 decay, "
-            "float32 step_size, float32 bc2_sqrt")
+_CUDA_IN = (
+    "G grad, float32 grad_scale, float32 beta2, float32 one_minus_beta1, "
+    "float32 one_minus_beta2, float32 eps, float32 l2, float32 decay, "
+    "float32 step_size, float32 bc2_sqrt"
+)
 _CUDA_MATH = r"""
     float g = (float)grad * grad_scale;                  // mean gradient, in fp32
     g += l2 * p;                                         // Adam: L2 term (l2 = 0 for AdamW)
@@ -198,8 +271,11 @@ _CUDA_MATH = r"""
     exp_avg = m;
     exp_avg_sq = v;
 """
-_CUDA_MIXED = ("float p = master;" + _CUDA_MATH +
-               "    master = p;\n    param = (P)p;                    // round to 16 bits\n")
+_CUDA_MIXED = (
+    "float p = master;"
+    + _CUDA_MATH
+    + "    master = p;\n    param = (P)p;                    // round to 16 bits\n"
+)
 _CUDA_FP32 = "float p = param;" + _CUDA_MATH + "    param = p;\n"
 _cuda_kernels: dict[str, object] = {}
 
@@ -213,7 +289,8 @@ def _cuda_kernel(kind: str):
         else:
             out, body = "float32 param, float32 exp_avg, float32 exp_avg_sq", _CUDA_FP32
         _cuda_kernels[kind] = backend.ExplainedKernel(
-            cupy.ElementwiseKernel(_CUDA_IN, out, body, f"zero1_adam_{kind}"))
+            cupy.ElementwiseKernel(_CUDA_IN, out, body, f"zero1_adam_{kind}")
+        )
     return _cuda_kernels[kind]
 
 
@@ -223,9 +300,20 @@ class CupyAdam:
     scratch_bytes = 0
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
-        scalars = tuple(np.float32(x) for x in (
-            s.grad_scale, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.eps, s.l2, s.decay,
-            s.step_size, s.bc2_sqrt))
+        scalars = tuple(
+            np.float32(x)
+            for x in (
+                s.grad_scale,
+                s.beta2,
+                s.one_minus_beta1,
+                s.one_minus_beta2,
+                s.eps,
+                s.l2,
+                s.decay,
+                s.step_size,
+                s.bc2_sqrt,
+            )
+        )
         args = (grad,) + scalars
         if param is None:
             _cuda_kernel("fp32")(*args, master, exp_avg, exp_avg_sq)
@@ -234,6 +322,7 @@ class CupyAdam:
 
 
 # -- the optimizers ------------------------------------------------------------------------------
+
 
 @with_engine_options
 class ZeroAdam(ShardedOptimizer):
@@ -248,11 +337,25 @@ class ZeroAdam(ShardedOptimizer):
         decoupled_weight_decay: AdamW's decay (``p *= 1 - lr * wd``) instead of L2.
     """
 
-    def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, *, decoupled_weight_decay=False, **engine):
-        super().__init__(params, comm, Adam(decoupled_weight_decay),
-                         {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
-                         **engine)
+    def __init__(
+        self,
+        params,
+        comm=None,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        decoupled_weight_decay=False,
+        **engine,
+    ):
+        super().__init__(
+            params,
+            comm,
+            Adam(decoupled_weight_decay),
+            {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+            **engine,
+        )
 
     @property
     def decoupled_weight_decay(self) -> bool:
@@ -263,10 +366,28 @@ class ZeroAdam(ShardedOptimizer):
 class ZeroAdamW(ZeroAdam):
     """AdamW (``torch.optim.AdamW`` semantics): ``ZeroAdam`` with decoupled weight decay."""
 
-    def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=1e-2, *, decoupled_weight_decay=True, **engine):
-        super().__init__(params, comm, lr, betas, eps, weight_decay,
-                         decoupled_weight_decay=decoupled_weight_decay, **engine)
+    def __init__(
+        self,
+        params,
+        comm=None,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        *,
+        decoupled_weight_decay=True,
+        **engine,
+    ):
+        super().__init__(
+            params,
+            comm,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            **engine,
+        )
 
 
 RULE, OPTIMIZER = Adam, ZeroAdam  # what rules.registry lists

@@ -19,8 +19,15 @@ import numpy as np
 
 from .. import backend
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels_numba import FP16_TABLE, compile_marked, fp32_chunk, jit, param_bits, \
-    round_params, split_grad
+from ..kernels_numba import (
+    FP16_TABLE,
+    compile_marked,
+    fp32_chunk,
+    jit,
+    param_bits,
+    round_params,
+    split_grad,
+)
 from ..reductions import NUMPY_CHUNK, CupyReductions
 from ..rule import Rule
 from .options import betas as check_betas
@@ -40,19 +47,27 @@ class Lamb(Rule):
     @staticmethod
     def check_options(lr, betas, eps, weight_decay) -> dict:
         """The four LAMB options as floats, or a ValueError naming the bad one and the fix."""
-        return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.999)"),
-                "eps": non_negative(eps, "eps", " (LAMB's usual value is 1e-6)"),
-                "weight_decay": non_negative(weight_decay, "weight_decay")}
+        return {
+            "lr": non_negative(lr, "lr"),
+            "betas": check_betas(betas, "(0.9, 0.999)"),
+            "eps": non_negative(eps, "eps", " (LAMB's usual value is 1e-6)"),
+            "weight_decay": non_negative(weight_decay, "weight_decay"),
+        }
 
     @staticmethod
     def scalars(step: int, options: dict, grad_scale: float) -> LambScalars:
         beta1, beta2 = options["betas"]
-        return LambScalars(grad_scale=float(grad_scale), beta2=beta2,
-                           one_minus_beta1=1.0 - beta1, one_minus_beta2=1.0 - beta2,
-                           eps=options["eps"], weight_decay=options["weight_decay"],
-                           inv_bc1=1.0 / (1.0 - beta1 ** step),
-                           inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2 ** step),
-                           lr=options["lr"])
+        return LambScalars(
+            grad_scale=float(grad_scale),
+            beta2=beta2,
+            one_minus_beta1=1.0 - beta1,
+            one_minus_beta2=1.0 - beta2,
+            eps=options["eps"],
+            weight_decay=options["weight_decay"],
+            inv_bc1=1.0 / (1.0 - beta1**step),
+            inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
+            lr=options["lr"],
+        )
 
     @staticmethod
     def tensor_scalars(s: LambScalars, sums) -> LambScalars:
@@ -80,13 +95,14 @@ class LambScalars:
     one_minus_beta2: float
     eps: float
     weight_decay: float
-    inv_bc1: float           # 1 / (1 - beta1^t)
-    inv_bc2_sqrt: float      # 1 / sqrt(1 - beta2^t)
+    inv_bc1: float  # 1 / (1 - beta1^t)
+    inv_bc2_sqrt: float  # 1 / sqrt(1 - beta2^t)
     lr: float
-    neg_step: float = 0.0    # -lr * trust ratio, set by Lamb.tensor_scalars
+    neg_step: float = 0.0  # -lr * trust ratio, set by Lamb.tensor_scalars
 
 
 # -- the NumPy twin ------------------------------------------------------------------------------
+
 
 class NumpyLamb:
     """In place, chunked; scratch is allocated once, never per step.
@@ -118,16 +134,17 @@ class NumpyLamb:
         """``p -= lr * ratio * u`` over one piece of one tensor (``s.neg_step`` set)."""
         for start in range(0, master.size, self.chunk):
             sl = slice(start, min(start + self.chunk, master.size))
-            self._apply(master[sl], exp_avg[sl], exp_avg_sq[sl],
-                        None if param is None else param[sl], s)
+            self._apply(
+                master[sl], exp_avg[sl], exp_avg_sq[sl], None if param is None else param[sl], s
+            )
 
     def _direction(self, grad, p, m, v, s: LambScalars):
-        g, t = self._g[:p.size], self._t[:p.size]
+        g, t = self._g[: p.size], self._t[: p.size]
         np.multiply(grad, s.grad_scale, out=g, dtype=np.float32)  # mean gradient, in fp32
-        np.subtract(g, m, out=t)                                   # m = lerp(m, g, 1 - beta1)
+        np.subtract(g, m, out=t)  # m = lerp(m, g, 1 - beta1)
         t *= s.one_minus_beta1
         m += t
-        v *= s.beta2                                               # v = beta2 v + (1-beta2) g^2
+        v *= s.beta2  # v = beta2 v + (1-beta2) g^2
         np.multiply(g, g, out=t)
         t *= s.one_minus_beta2
         v += t
@@ -136,7 +153,7 @@ class NumpyLamb:
     def _update_direction(self, p, m, v, s: LambScalars):
         """``u`` from the current moments: ``m inv_bc1 / (sqrt(v) inv_bc2_sqrt + eps) + wd p``
         (the bias corrections as reciprocals: one division per element, not three)."""
-        t, u = self._t[:p.size], self._u[:p.size]
+        t, u = self._t[: p.size], self._u[: p.size]
         np.sqrt(v, out=t)
         t *= s.inv_bc2_sqrt
         t += s.eps
@@ -149,23 +166,26 @@ class NumpyLamb:
 
     def _apply(self, p, m, v, param, s: LambScalars) -> None:
         u = self._update_direction(p, m, v, s)
-        u *= s.neg_step                                            # p -= lr r u
+        u *= s.neg_step  # p -= lr r u
         p += u
         if param is not None:
-            np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
+            np.copyto(param, p, casting="unsafe")  # round to the 16-bit dtype
+
 
 # -- the Numba twin: the NumPy twin's chunks, dot products and float32 operations ---------------
 
+
 @jit(inline="never")
-def _numba_direction(grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt,
-                     eps, weight_decay):
+def _numba_direction(
+    grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt, eps, weight_decay
+):
     """The moments and ``u = m inv_bc1 / (sqrt(v) inv_bc2_sqrt + eps) + wd p`` over one
     chunk: ``NumpyLamb._direction``'s operations in its order."""
     for i in range(p.size):
-        g = grad[i] * grad_scale                         # mean gradient
+        g = grad[i] * grad_scale  # mean gradient
         mi = m[i]
-        mi = mi + (g - mi) * omb1                        # m = lerp(m, g, 1 - beta1)
-        vi = v[i] * beta2 + (g * g) * omb2               # v = beta2 v + (1 - beta2) g^2
+        mi = mi + (g - mi) * omb1  # m = lerp(m, g, 1 - beta1)
+        vi = v[i] * beta2 + (g * g) * omb2  # v = beta2 v + (1 - beta2) g^2
         m[i] = mi
         v[i] = vi
         ui = (mi * inv_bc1) / (np.sqrt(vi) * inv_bc2_sqrt + eps)
@@ -185,16 +205,33 @@ def _numba_step(p, m, v, inv_bc1, inv_bc2_sqrt, eps, weight_decay, neg_step):
 
 
 @jit
-def _numba_chunk(grad32, grad16, grad_kind, table, scratch, p, m, v, u, grad_scale, beta2,
-                 omb1, omb2, inv_bc1, inv_bc2_sqrt, eps, weight_decay):
+def _numba_chunk(
+    grad32,
+    grad16,
+    grad_kind,
+    table,
+    scratch,
+    p,
+    m,
+    v,
+    u,
+    grad_scale,
+    beta2,
+    omb1,
+    omb2,
+    inv_bc1,
+    inv_bc2_sqrt,
+    eps,
+    weight_decay,
+):
     grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, 0, p.size)
-    _numba_direction(grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt,
-                     eps, weight_decay)
+    _numba_direction(
+        grad, p, m, v, u, grad_scale, beta2, omb1, omb2, inv_bc1, inv_bc2_sqrt, eps, weight_decay
+    )
 
 
 @jit
-def _numba_apply(p, m, v, param16, param_kind, inv_bc1, inv_bc2_sqrt, eps, weight_decay,
-                 neg_step):
+def _numba_apply(p, m, v, param16, param_kind, inv_bc1, inv_bc2_sqrt, eps, weight_decay, neg_step):
     _numba_step(p, m, v, inv_bc1, inv_bc2_sqrt, eps, weight_decay, neg_step)
     round_params(p, param16, param_kind)
 
@@ -209,16 +246,39 @@ class NumbaLamb(NumpyLamb):
 
     def _direction(self, grad, p, m, v, s):
         f = np.float32
-        u = self._u[:p.size]
-        _numba_chunk(*split_grad(grad), FP16_TABLE, self._g, p, m, v, u, f(s.grad_scale),
-                     f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2), f(s.inv_bc1),
-                     f(s.inv_bc2_sqrt), f(s.eps), f(s.weight_decay))
+        u = self._u[: p.size]
+        _numba_chunk(
+            *split_grad(grad),
+            FP16_TABLE,
+            self._g,
+            p,
+            m,
+            v,
+            u,
+            f(s.grad_scale),
+            f(s.beta2),
+            f(s.one_minus_beta1),
+            f(s.one_minus_beta2),
+            f(s.inv_bc1),
+            f(s.inv_bc2_sqrt),
+            f(s.eps),
+            f(s.weight_decay),
+        )
         return u
 
     def _apply(self, p, m, v, param, s) -> None:
         f = np.float32
-        _numba_apply(p, m, v, *param_bits(param), f(s.inv_bc1), f(s.inv_bc2_sqrt), f(s.eps),
-                     f(s.weight_decay), f(s.neg_step))
+        _numba_apply(
+            p,
+            m,
+            v,
+            *param_bits(param),
+            f(s.inv_bc1),
+            f(s.inv_bc2_sqrt),
+            f(s.eps),
+            f(s.weight_decay),
+            f(s.neg_step),
+        )
 
 
 # -- the CuPy twin: the moments in one kernel, u^2 summed by a reduction that recomputes u, and
@@ -245,18 +305,24 @@ def _cuda_kernel(kind: str):
         if kind == "moments":
             kernel = cupy.ElementwiseKernel(
                 "G grad, float32 grad_scale, float32 beta2, float32 one_minus_beta1, "
-                "float32 one_minus_beta2", "float32 exp_avg, float32 exp_avg_sq",
+                "float32 one_minus_beta2",
+                "float32 exp_avg, float32 exp_avg_sq",
                 r"""float g = (float)grad * grad_scale;
                 exp_avg = exp_avg + (g - exp_avg) * one_minus_beta1;
                 exp_avg_sq = exp_avg_sq * beta2 + (g * g) * one_minus_beta2;""",
-                "zero1_lamb_moments")
+                "zero1_lamb_moments",
+            )
         elif kind == "u_sq":
             kernel = cupy.ReductionKernel(
                 "float32 exp_avg, float32 exp_avg_sq, float32 p, " + _CUDA_SCALARS,
                 "float64 total",
-                "zero1_lamb_u_sq(exp_avg, exp_avg_sq, p, inv_bc1, inv_bc2_sqrt, eps, "
-                "weight_decay)", "a + b", "total = a", "0", "zero1_lamb_u_sq",
-                preamble=_CUDA_DIRECTION)
+                "zero1_lamb_u_sq(exp_avg, exp_avg_sq, p, inv_bc1, inv_bc2_sqrt, eps, weight_decay)",
+                "a + b",
+                "total = a",
+                "0",
+                "zero1_lamb_u_sq",
+                preamble=_CUDA_DIRECTION,
+            )
         else:
             mixed = kind == "mixed"
             update = r"""float p = PARAM;
@@ -266,8 +332,11 @@ def _cuda_kernel(kind: str):
             body = update + ("master = p; param = (P)p;" if mixed else "param = p;")
             kernel = cupy.ElementwiseKernel(
                 "float32 exp_avg, float32 exp_avg_sq, " + _CUDA_SCALARS + ", float32 neg_step",
-                "float32 master, P param" if mixed else "float32 param", body,
-                f"zero1_lamb_{kind}", preamble=_CUDA_DIRECTION)
+                "float32 master, P param" if mixed else "float32 param",
+                body,
+                f"zero1_lamb_{kind}",
+                preamble=_CUDA_DIRECTION,
+            )
         _cuda_kernels[kind] = backend.ExplainedKernel(kernel)
     return _cuda_kernels[kind]
 
@@ -282,8 +351,15 @@ class CupyLamb:
 
     def tensor_sums(self, grad, master, exp_avg, exp_avg_sq, s: LambScalars):
         f = np.float32
-        _cuda_kernel("moments")(grad, f(s.grad_scale), f(s.beta2), f(s.one_minus_beta1),
-                                f(s.one_minus_beta2), exp_avg, exp_avg_sq)
+        _cuda_kernel("moments")(
+            grad,
+            f(s.grad_scale),
+            f(s.beta2),
+            f(s.one_minus_beta1),
+            f(s.one_minus_beta2),
+            exp_avg,
+            exp_avg_sq,
+        )
         u_sq = _cuda_kernel("u_sq")(exp_avg, exp_avg_sq, master, *self._direction_args(s))
         p_sq = self._reductions.sum_of_squares(master)
         return backend.xp_for("cupy").stack([p_sq, u_sq])
@@ -297,11 +373,11 @@ class CupyLamb:
 
     @staticmethod
     def _direction_args(s: LambScalars):
-        return tuple(np.float32(x) for x in (s.inv_bc1, s.inv_bc2_sqrt, s.eps,
-                                             s.weight_decay))
+        return tuple(np.float32(x) for x in (s.inv_bc1, s.inv_bc2_sqrt, s.eps, s.weight_decay))
 
 
 # -- the optimizer -------------------------------------------------------------------------------
+
 
 @with_engine_options
 class ZeroLAMB(ShardedOptimizer):
@@ -315,11 +391,16 @@ class ZeroLAMB(ShardedOptimizer):
         lr, betas, eps, weight_decay: the groups' defaults.
     """
 
-    def __init__(self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-6,
-                 weight_decay=0.01, **engine):
-        super().__init__(params, comm, Lamb(),
-                         {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
-                         **engine)
+    def __init__(
+        self, params, comm=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, **engine
+    ):
+        super().__init__(
+            params,
+            comm,
+            Lamb(),
+            {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+            **engine,
+        )
 
 
 RULE, OPTIMIZER = Lamb, ZeroLAMB  # what rules.registry lists

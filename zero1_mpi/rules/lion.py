@@ -15,8 +15,15 @@ import numpy as np
 
 from .. import backend
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels_numba import FP16_TABLE, NumbaKernel, fp32_chunk, jit, param_bits, round_params, \
-    split_grad
+from ..kernels_numba import (
+    FP16_TABLE,
+    NumbaKernel,
+    fp32_chunk,
+    jit,
+    param_bits,
+    round_params,
+    split_grad,
+)
 from ..reductions import NUMPY_CHUNK
 from ..rule import Rule
 from .options import betas as check_betas
@@ -35,16 +42,24 @@ class Lion(Rule):
     @staticmethod
     def check_options(lr, betas, weight_decay) -> dict:
         """The Lion options as floats, or a ValueError naming the bad one and the fix."""
-        return {"lr": non_negative(lr, "lr"), "betas": check_betas(betas, "(0.9, 0.99)"),
-                "weight_decay": non_negative(weight_decay, "weight_decay")}
+        return {
+            "lr": non_negative(lr, "lr"),
+            "betas": check_betas(betas, "(0.9, 0.99)"),
+            "weight_decay": non_negative(weight_decay, "weight_decay"),
+        }
 
     @staticmethod
     def scalars(step: int, options: dict, grad_scale: float) -> LionScalars:
         beta1, beta2 = options["betas"]
-        return LionScalars(grad_scale=float(grad_scale), beta1=beta1, one_minus_beta1=1 - beta1,
-                           beta2=beta2, one_minus_beta2=1 - beta2,
-                           decay=1.0 - options["lr"] * options["weight_decay"],
-                           neg_lr=-options["lr"])
+        return LionScalars(
+            grad_scale=float(grad_scale),
+            beta1=beta1,
+            one_minus_beta1=1 - beta1,
+            beta2=beta2,
+            one_minus_beta2=1 - beta2,
+            decay=1.0 - options["lr"] * options["weight_decay"],
+            neg_lr=-options["lr"],
+        )
 
     @staticmethod
     def kernel(kind: str, largest: int = NUMPY_CHUNK):
@@ -64,11 +79,12 @@ class LionScalars:
     one_minus_beta1: float
     beta2: float
     one_minus_beta2: float
-    decay: float             # 1 - lr * weight_decay
+    decay: float  # 1 - lr * weight_decay
     neg_lr: float
 
 
 # -- the NumPy twin ------------------------------------------------------------------------------
+
 
 class NumpyLion:
     """In place, chunked; scratch is allocated once, never per step."""
@@ -84,51 +100,84 @@ class NumpyLion:
     def __call__(self, grad, master, exp_avg, param, s: LionScalars) -> None:
         for start in range(0, master.size, self.chunk):
             stop = min(start + self.chunk, master.size)
-            self._update(grad[start:stop], master[start:stop], exp_avg[start:stop],
-                         None if param is None else param[start:stop], s)
+            self._update(
+                grad[start:stop],
+                master[start:stop],
+                exp_avg[start:stop],
+                None if param is None else param[start:stop],
+                s,
+            )
 
     def _update(self, grad, p, m, param, s: LionScalars) -> None:
-        g, t, u = self._g[:p.size], self._t[:p.size], self._u[:p.size]
+        g, t, u = self._g[: p.size], self._t[: p.size], self._u[: p.size]
         np.multiply(grad, s.grad_scale, out=g, dtype=np.float32)  # mean gradient, in fp32
-        np.multiply(m, s.beta1, out=t)                             # c = b1 m + (1 - b1) g
+        np.multiply(m, s.beta1, out=t)  # c = b1 m + (1 - b1) g
         np.multiply(g, s.one_minus_beta1, out=u)
         t += u
         np.sign(t, out=t)
         if s.decay != 1.0:
-            p *= s.decay                                           # p *= 1 - lr wd
-        t *= s.neg_lr                                              # p -= lr sign(c)
+            p *= s.decay  # p *= 1 - lr wd
+        t *= s.neg_lr  # p -= lr sign(c)
         p += t
-        m *= s.beta2                                               # m = b2 m + (1 - b2) g
+        m *= s.beta2  # m = b2 m + (1 - b2) g
         np.multiply(g, s.one_minus_beta2, out=t)
         m += t
         if param is not None:
-            np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
+            np.copyto(param, p, casting="unsafe")  # round to the 16-bit dtype
+
 
 # -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
+
 
 @jit(inline="never")
 def _numba_update(grad, master, m, grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr):
     """One chunk, fp32 gradient in, state in place."""
     for i in range(master.size):
-        g = grad[i] * grad_scale                         # mean gradient
+        g = grad[i] * grad_scale  # mean gradient
         mi = m[i]
-        c = mi * beta1 + g * omb1                        # c = b1 m + (1 - b1) g
+        c = mi * beta1 + g * omb1  # c = b1 m + (1 - b1) g
         p = master[i]
         if decay != 1:
-            p = p * decay                                # p *= 1 - lr wd
-        master[i] = p + np.sign(c) * neg_lr              # p -= lr sign(c)
-        m[i] = mi * beta2 + g * omb2                     # m = b2 m + (1 - b2) g
+            p = p * decay  # p *= 1 - lr wd
+        master[i] = p + np.sign(c) * neg_lr  # p -= lr sign(c)
+        m[i] = mi * beta2 + g * omb2  # m = b2 m + (1 - b2) g
 
 
 @jit
-def _numba_lion(grad32, grad16, grad_kind, master, m, param16, param_kind, table, scratch,
-                grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr):
+def _numba_lion(
+    grad32,
+    grad16,
+    grad_kind,
+    master,
+    m,
+    param16,
+    param_kind,
+    table,
+    scratch,
+    grad_scale,
+    beta1,
+    omb1,
+    beta2,
+    omb2,
+    decay,
+    neg_lr,
+):
     n = master.size
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
         grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        _numba_update(grad, master[start:stop], m[start:stop], grad_scale, beta1, omb1, beta2,
-                      omb2, decay, neg_lr)
+        _numba_update(
+            grad,
+            master[start:stop],
+            m[start:stop],
+            grad_scale,
+            beta1,
+            omb1,
+            beta2,
+            omb2,
+            decay,
+            neg_lr,
+        )
         round_params(master[start:stop], param16[start:stop], param_kind)
 
 
@@ -137,15 +186,29 @@ class NumbaLion(NumbaKernel):
 
     def __call__(self, grad, master, exp_avg, param, s: LionScalars) -> None:
         f = np.float32
-        _numba_lion(*split_grad(grad), master, exp_avg, *param_bits(param), FP16_TABLE,
-                    self._scratch, f(s.grad_scale), f(s.beta1), f(s.one_minus_beta1),
-                    f(s.beta2), f(s.one_minus_beta2), f(s.decay), f(s.neg_lr))
+        _numba_lion(
+            *split_grad(grad),
+            master,
+            exp_avg,
+            *param_bits(param),
+            FP16_TABLE,
+            self._scratch,
+            f(s.grad_scale),
+            f(s.beta1),
+            f(s.one_minus_beta1),
+            f(s.beta2),
+            f(s.one_minus_beta2),
+            f(s.decay),
+            f(s.neg_lr),
+        )
 
 
 # -- the CuPy twin -------------------------------------------------------------------------------
 
-_CUDA_IN = ("G grad, float32 grad_scale, float32 beta1, float32 one_minus_beta1, "
-            "float32 beta2, float32 one_minus_beta2, float32 decay, float32 neg_lr")
+_CUDA_IN = (
+    "G grad, float32 grad_scale, float32 beta1, float32 one_minus_beta1, "
+    "float32 beta2, float32 one_minus_beta2, float32 decay, float32 neg_lr"
+)
 _CUDA_MATH = r"""
     float g = (float)grad * grad_scale;                  // mean gradient, in fp32
     float c = exp_avg * beta1 + g * one_minus_beta1;     // c = b1 m + (1 - b1) g
@@ -163,11 +226,14 @@ def _cuda_kernel(mixed: bool):
             out = "float32 master, float32 exp_avg, P param"
             body = "float p = master;" + _CUDA_MATH + "    master = p;\n    param = (P)p;\n"
         else:
-            out, body = "float32 param, float32 exp_avg", \
-                "float p = param;" + _CUDA_MATH + "    param = p;\n"
+            out, body = (
+                "float32 param, float32 exp_avg",
+                "float p = param;" + _CUDA_MATH + "    param = p;\n",
+            )
         name = f"zero1_lion_{'mixed' if mixed else 'fp32'}"
         _cuda_kernels[mixed] = backend.ExplainedKernel(
-            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name))
+            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name)
+        )
     return _cuda_kernels[mixed]
 
 
@@ -178,8 +244,16 @@ class CupyLion:
 
     def __call__(self, grad, master, exp_avg, param, s: LionScalars) -> None:
         f = np.float32
-        args = (grad, f(s.grad_scale), f(s.beta1), f(s.one_minus_beta1), f(s.beta2),
-                f(s.one_minus_beta2), f(s.decay), f(s.neg_lr))
+        args = (
+            grad,
+            f(s.grad_scale),
+            f(s.beta1),
+            f(s.one_minus_beta1),
+            f(s.beta2),
+            f(s.one_minus_beta2),
+            f(s.decay),
+            f(s.neg_lr),
+        )
         if param is None:
             _cuda_kernel(False)(*args, master, exp_avg)
         else:
@@ -187,6 +261,7 @@ class CupyLion:
 
 
 # -- the optimizer -------------------------------------------------------------------------------
+
 
 @with_engine_options
 class ZeroLion(ShardedOptimizer):
@@ -197,10 +272,10 @@ class ZeroLion(ShardedOptimizer):
         lr, betas, weight_decay: the groups' defaults.
     """
 
-    def __init__(self, params, comm=None, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
-                 **engine):
-        super().__init__(params, comm, Lion(),
-                         {"lr": lr, "betas": betas, "weight_decay": weight_decay}, **engine)
+    def __init__(self, params, comm=None, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, **engine):
+        super().__init__(
+            params, comm, Lion(), {"lr": lr, "betas": betas, "weight_decay": weight_decay}, **engine
+        )
 
 
 RULE, OPTIMIZER = Lion, ZeroLion  # what rules.registry lists

@@ -12,8 +12,11 @@ __all__ = ["number", "non_negative", "betas"]
 
 def number(value, name: str) -> float:
     """A finite number, as a float (bools are refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-            or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.floating))
+        or not math.isfinite(value)
+    ):
         raise ValueError(f"{name}={value!r} must be a finite number")
     return float(value)
 

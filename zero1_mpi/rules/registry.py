@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from ..memory import bytes_per_param
 from ..rule import Rule
 
-__all__ = ["NAMES", "BuiltinRule", "builtin_rules", "get", "rule_states",
-           "rule_bytes_per_param"]
+__all__ = ["NAMES", "BuiltinRule", "builtin_rules", "get", "rule_states", "rule_bytes_per_param"]
 
 NAMES = ("adam", "sgd", "lion", "lamb")
 
@@ -68,8 +67,9 @@ def rule_states(name: str, momentum: bool = True) -> tuple[str, ...]:
     return tuple(chosen.state_names)
 
 
-def rule_bytes_per_param(name: str = "adam", param_dtype: str = "float16",
-                         momentum: bool = True) -> int:
+def rule_bytes_per_param(
+    name: str = "adam", param_dtype: str = "float16", momentum: bool = True
+) -> int:
     """K of a rule by name, the bytes per parameter of the sharded part: 16-bit params: adam
     12, lamb 12, sgd 8 (4 without momentum), lion 8; fp32 params: 8, 8, 4 (0), 4."""
     return bytes_per_param(rule_states(name, momentum), param_dtype)

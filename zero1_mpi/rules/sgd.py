@@ -18,8 +18,17 @@ import numpy as np
 
 from .. import backend
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels_numba import CHUNK, FP16_TABLE, NO_F32, NumbaKernel, fp32_chunk, jit, param_bits, \
-    round_params, split_grad
+from ..kernels_numba import (
+    CHUNK,
+    FP16_TABLE,
+    NO_F32,
+    NumbaKernel,
+    fp32_chunk,
+    jit,
+    param_bits,
+    round_params,
+    split_grad,
+)
 from ..reductions import NUMPY_CHUNK
 from ..rule import Rule
 from .options import non_negative
@@ -52,21 +61,35 @@ class SGD(Rule):
         if not isinstance(nesterov, bool):
             raise ValueError(f"nesterov={nesterov!r} must be True or False")
         if nesterov and (momentum == 0 or dampening != 0):
-            raise ValueError(f"nesterov=True needs momentum > 0 and dampening = 0 (got "
-                             f"momentum={momentum!r}, dampening={dampening!r}), as in torch")
+            raise ValueError(
+                f"nesterov=True needs momentum > 0 and dampening = 0 (got "
+                f"momentum={momentum!r}, dampening={dampening!r}), as in torch"
+            )
         if momentum and not self.momentum_buffer:
-            raise ValueError(f"momentum={momentum!r} needs a momentum buffer, which is only "
-                             "allocated when a group has a non-zero momentum at construction: "
-                             "build the optimizer with momentum set")
-        return {"lr": lr, "momentum": momentum, "dampening": dampening,
-                "weight_decay": weight_decay, "nesterov": nesterov}
+            raise ValueError(
+                f"momentum={momentum!r} needs a momentum buffer, which is only "
+                "allocated when a group has a non-zero momentum at construction: "
+                "build the optimizer with momentum set"
+            )
+        return {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+        }
 
     @staticmethod
     def scalars(step: int, options: dict, grad_scale: float) -> SGDScalars:
-        return SGDScalars(grad_scale=float(grad_scale), weight_decay=options["weight_decay"],
-                          momentum=options["momentum"],
-                          one_minus_dampening=1.0 - options["dampening"],
-                          nesterov=options["nesterov"], neg_lr=-options["lr"], first=step == 1)
+        return SGDScalars(
+            grad_scale=float(grad_scale),
+            weight_decay=options["weight_decay"],
+            momentum=options["momentum"],
+            one_minus_dampening=1.0 - options["dampening"],
+            nesterov=options["nesterov"],
+            neg_lr=-options["lr"],
+            first=step == 1,
+        )
 
     def kernel(self, kind: str, largest: int = NUMPY_CHUNK):
         if kind == "cupy":
@@ -82,11 +105,11 @@ class SGDScalars:
 
     grad_scale: float
     weight_decay: float
-    momentum: float          # 0: no buffer is used this step
+    momentum: float  # 0: no buffer is used this step
     one_minus_dampening: float
     nesterov: bool
     neg_lr: float
-    first: bool              # the buffer starts as the gradient itself (torch)
+    first: bool  # the buffer starts as the gradient itself (torch)
 
 
 def split_args(has_buffer: bool, rest):
@@ -95,6 +118,7 @@ def split_args(has_buffer: bool, rest):
 
 
 # -- the NumPy twin ------------------------------------------------------------------------------
+
 
 class NumpySGD:
     """In place, chunked; scratch is allocated once, never per step."""
@@ -113,67 +137,99 @@ class NumpySGD:
         buf, param, s = split_args(self.has_buffer, rest)
         for start in range(0, master.size, self.chunk):
             stop = min(start + self.chunk, master.size)
-            self._update(grad[start:stop], master[start:stop],
-                         None if buf is None else buf[start:stop],
-                         None if param is None else param[start:stop], s)
+            self._update(
+                grad[start:stop],
+                master[start:stop],
+                None if buf is None else buf[start:stop],
+                None if param is None else param[start:stop],
+                s,
+            )
 
     def _update(self, grad, p, b, param, s: SGDScalars) -> None:
-        g, t = self._g[:p.size], self._t[:p.size]
+        g, t = self._g[: p.size], self._t[: p.size]
         np.multiply(grad, s.grad_scale, out=g, dtype=np.float32)  # mean gradient, in fp32
         if s.weight_decay:
-            np.multiply(p, s.weight_decay, out=t)                  # g += wd * p
+            np.multiply(p, s.weight_decay, out=t)  # g += wd * p
             g += t
         if s.momentum:
             if s.first:
-                b[...] = g                                         # b = g on the first step
+                b[...] = g  # b = g on the first step
             else:
-                b *= s.momentum                                    # b = m b + (1 - d) g
+                b *= s.momentum  # b = m b + (1 - d) g
                 np.multiply(g, s.one_minus_dampening, out=t)
                 b += t
             if s.nesterov:
-                np.multiply(b, s.momentum, out=t)                  # Nesterov: g += m b
+                np.multiply(b, s.momentum, out=t)  # Nesterov: g += m b
                 g += t
             else:
                 g = b
-        np.multiply(g, s.neg_lr, out=t)                            # p -= lr g
+        np.multiply(g, s.neg_lr, out=t)  # p -= lr g
         p += t
         if param is not None:
-            np.copyto(param, p, casting="unsafe")                  # round to the 16-bit dtype
+            np.copyto(param, p, casting="unsafe")  # round to the 16-bit dtype
 
 
 # -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
 
+
 @jit(inline="never")
-def _numba_update(grad, master, buf, grad_scale, weight_decay, momentum, omd, nesterov, first,
-                  neg_lr):
+def _numba_update(
+    grad, master, buf, grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr
+):
     """One chunk, fp32 gradient in, state in place."""
     for i in range(master.size):
-        g = grad[i] * grad_scale                         # mean gradient
+        g = grad[i] * grad_scale  # mean gradient
         p = master[i]
         if weight_decay != 0:
-            g = g + p * weight_decay                     # L2 weight decay
+            g = g + p * weight_decay  # L2 weight decay
         if momentum != 0:
             if first:
-                b = g                                    # the buffer starts as g
+                b = g  # the buffer starts as g
             else:
-                b = buf[i] * momentum + g * omd          # b = m b + (1 - d) g
+                b = buf[i] * momentum + g * omd  # b = m b + (1 - d) g
             buf[i] = b
             if nesterov:
-                g = g + b * momentum                     # Nesterov: g + m b
+                g = g + b * momentum  # Nesterov: g + m b
             else:
                 g = b
-        master[i] = p + g * neg_lr                       # p -= lr g
+        master[i] = p + g * neg_lr  # p -= lr g
 
 
 @jit
-def _numba_sgd(grad32, grad16, grad_kind, master, buf, param16, param_kind, table, scratch,
-               grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr):
+def _numba_sgd(
+    grad32,
+    grad16,
+    grad_kind,
+    master,
+    buf,
+    param16,
+    param_kind,
+    table,
+    scratch,
+    grad_scale,
+    weight_decay,
+    momentum,
+    omd,
+    nesterov,
+    first,
+    neg_lr,
+):
     n = master.size
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
         grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        _numba_update(grad, master[start:stop], buf[start:stop],
-                      grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr)
+        _numba_update(
+            grad,
+            master[start:stop],
+            buf[start:stop],
+            grad_scale,
+            weight_decay,
+            momentum,
+            omd,
+            nesterov,
+            first,
+            neg_lr,
+        )
         round_params(master[start:stop], param16[start:stop], param_kind)
 
 
@@ -188,14 +244,28 @@ class NumbaSGD(NumbaKernel):
         buf, param, s = split_args(self.has_buffer, rest)
         f = np.float32
         momentum = f(s.momentum) if buf is not None else f(0)
-        _numba_sgd(*split_grad(grad), master, NO_F32 if buf is None else buf, *param_bits(param),
-                   FP16_TABLE, self._scratch, f(s.grad_scale), f(s.weight_decay), momentum,
-                   f(s.one_minus_dampening), bool(s.nesterov), bool(s.first), f(s.neg_lr))
+        _numba_sgd(
+            *split_grad(grad),
+            master,
+            NO_F32 if buf is None else buf,
+            *param_bits(param),
+            FP16_TABLE,
+            self._scratch,
+            f(s.grad_scale),
+            f(s.weight_decay),
+            momentum,
+            f(s.one_minus_dampening),
+            bool(s.nesterov),
+            bool(s.first),
+            f(s.neg_lr),
+        )
 
 
 # -- the CuPy twin; ``first`` and ``nesterov`` are 0/1 flags; momentum 0 leaves the buffer alone -
-_CUDA_IN = ("G grad, float32 grad_scale, float32 weight_decay, float32 momentum, "
-            "float32 one_minus_dampening, int32 nesterov, int32 first, float32 neg_lr")
+_CUDA_IN = (
+    "G grad, float32 grad_scale, float32 weight_decay, float32 momentum, "
+    "float32 one_minus_dampening, int32 nesterov, int32 first, float32 neg_lr"
+)
 _CUDA_MATH = r"""
     float g = (float)grad * grad_scale;                  // mean gradient, in fp32
     g += p * weight_decay;                               // L2 weight decay
@@ -223,7 +293,8 @@ def _cuda_kernel(mixed: bool, has_buffer: bool):
             body = "float p = param;" + math_ + "    param = p;\n"
         name = f"zero1_sgd_{'mixed' if mixed else 'fp32'}{'_momentum' if has_buffer else ''}"
         _cuda_kernels[key] = backend.ExplainedKernel(
-            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name))
+            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name)
+        )
     return _cuda_kernels[key]
 
 
@@ -238,9 +309,16 @@ class CupySGD:
     def __call__(self, grad, master, *rest) -> None:
         buf, param, s = split_args(self.has_buffer, rest)
         f = np.float32
-        args = (grad, f(s.grad_scale), f(s.weight_decay), f(s.momentum),
-                f(s.one_minus_dampening), np.int32(s.nesterov), np.int32(s.first),
-                f(s.neg_lr))
+        args = (
+            grad,
+            f(s.grad_scale),
+            f(s.weight_decay),
+            f(s.momentum),
+            f(s.one_minus_dampening),
+            np.int32(s.nesterov),
+            np.int32(s.first),
+            f(s.neg_lr),
+        )
         buffers = (buf,) if self.has_buffer else ()
         if param is None:
             _cuda_kernel(False, self.has_buffer)(*args, master, *buffers)
@@ -249,6 +327,7 @@ class CupySGD:
 
 
 # -- the optimizer -------------------------------------------------------------------------------
+
 
 @with_engine_options
 class ZeroSGD(ShardedOptimizer):
@@ -262,19 +341,37 @@ class ZeroSGD(ShardedOptimizer):
             momentum at construction.
     """
 
-    def __init__(self, params, comm=None, lr=1e-3, momentum=0.0, dampening=0.0,
-                 weight_decay=0.0, nesterov=False, **engine):
-        super().__init__(params, comm, SGD(_wants_momentum(params, momentum)),
-                         {"lr": lr, "momentum": momentum, "dampening": dampening,
-                          "weight_decay": weight_decay, "nesterov": nesterov}, **engine)
+    def __init__(
+        self,
+        params,
+        comm=None,
+        lr=1e-3,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        **engine,
+    ):
+        super().__init__(
+            params,
+            comm,
+            SGD(_wants_momentum(params, momentum)),
+            {
+                "lr": lr,
+                "momentum": momentum,
+                "dampening": dampening,
+                "weight_decay": weight_decay,
+                "nesterov": nesterov,
+            },
+            **engine,
+        )
 
 
 def _wants_momentum(params, momentum) -> bool:
     """Whether the default or any group asks for momentum (bad input is reported later)."""
     groups = params if isinstance(params, (list, tuple)) else []
     values = [momentum] + [g.get("momentum", 0) for g in groups if isinstance(g, dict)]
-    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0
-               for v in values)
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0 for v in values)
 
 
 RULE, OPTIMIZER = SGD, ZeroSGD  # what rules.registry lists
