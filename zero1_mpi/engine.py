@@ -259,7 +259,8 @@ class ShardedOptimizer:
                 setattr(self, method, _closed_method(name, method))  # shadows the method
         self.params = self.grads = Closed(name)
         dropped: Any = None  # no method reads them once closed (each raises instead)
-        self.state = self.gradients = self.persistence = self._steps = self._parts = dropped
+        self.state = self.gradients = self.persistence = self._steps = dropped
+        self._parts = self._reductions = dropped
 
     def __enter__(self):
         if self.closed:
