@@ -7,7 +7,6 @@ nothing in training, holds one host copy of the shard, and reports a failed writ
 GROUP: ``shard_group_size`` (hierarchical: the replicas write nothing and hold no copy).
 """
 
-import hashlib
 import signal
 import sys
 import threading
@@ -19,7 +18,8 @@ from mpi4py import MPI
 
 import zero1_mpi.checkpoint as checkpoint
 from zero1_mpi import CheckpointError, ZeroAdamW
-from expect import check, raises
+import casekit as kit
+from casekit import check, raises
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -42,9 +42,8 @@ def train(opt, steps):
 
 def digest(opt) -> tuple:
     """The whole job's state: every rank's arrays, hashed, gathered."""
-    arrays = [opt._params, opt._master, *opt._state.values()]
-    mine = hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
-    return tuple(comm.allgather(mine)), opt.step_count
+    mine, steps = kit.digest(opt)
+    return tuple(comm.allgather(mine)), steps
 
 
 def latest(root: Path) -> str:

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 import zero1_mpi.checkpoint as checkpoint
 from zero1_mpi import ZeroAdamW
-from expect import check
+from casekit import check
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

@@ -15,7 +15,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from expect import check
+import casekit as kit
+from casekit import check
 from zero1_mpi import Communicator, ZeroAdamW, ZeroSGD
 
 comm = MPI.COMM_WORLD
@@ -88,8 +89,8 @@ seconds = time.perf_counter() - started
 
 check(threading.active_count() == threads_before,
       f"{threading.active_count()} threads after closing the optimizers, {threads_before} before")
-check(not user._persistent, f"{len(user._persistent)} persistent requests left on the caller's "
-      "communicator by closed optimizers")
+check(not kit.persistent_requests(user), f"{kit.persistent_requests(user)} persistent requests "
+      "left on the caller's communicator by closed optimizers")
 check(user.allreduce_sum([1.0])[0] == size, "the caller's Communicator stopped working")
 user.free()
 user.free()

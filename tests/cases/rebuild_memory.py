@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from zero1_mpi import ZeroAdamW
-from expect import check
+from casekit import check
 
 comm = MPI.COMM_WORLD
 # glibc maps every buffer of 128 KiB or more on its own and unmaps it when freed (without this,

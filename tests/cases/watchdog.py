@@ -25,7 +25,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from expect import check, raises
+import casekit as kit
+from casekit import check, raises
 from zero1_mpi import CollectiveError, ZeroAdamW
 
 comm = MPI.COMM_WORLD
@@ -70,12 +71,12 @@ if mode == "same":
             plain = ZeroAdamW(params(), lr=1e-2, bucket_elements=2048, **options)
             watched = ZeroAdamW(params(), lr=1e-2, bucket_elements=2048, step_timeout=30,
                                 **options)
-            check(plain.watchdog._thread is None and watched.watchdog._thread.is_alive())
+            check(kit.watchdog_thread(plain) is None and kit.watchdog_thread(watched).is_alive())
             a, b = train(plain, 6, wait), train(watched, 6, wait)
             for name in SHAPES:
                 check(a[name].tobytes() == b[name].tobytes(), f"{name} differs with {options}")
             check(not np.array_equal(a["a"], params()["a"]), "training changed nothing")
-            thread = watched.watchdog._thread
+            thread = kit.watchdog_thread(watched)
             del watched
             gc.collect()
             thread.join(5)
@@ -149,8 +150,8 @@ else:
         if mode in ("reduce", "add"):
             hang()
         elif mode == "agree":
-            opt._reductions.sum_of_squares = hang
+            kit.fail_in(opt, "agree", hang)
         elif mode == "update":
-            opt._update_shard = hang
+            kit.fail_in(opt, "update", hang)
     train(opt, 1)
     print(f"UNREACHABLE: step 4 returned on rank {rank}", flush=True)
