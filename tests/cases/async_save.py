@@ -27,17 +27,12 @@ SHAPES = {"w": (300, 70), "b": (70,), "s": ()}
 
 
 def make(group=None):
-    init = {k: np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s)
-            for k, s in SHAPES.items()}
-    return ZeroAdamW(init, comm, lr=1e-2, param_dtype="bfloat16", bucket_elements=4096,
-                     shard_group_size=group)
+    return ZeroAdamW(kit.init_values(SHAPES), comm, lr=1e-2, param_dtype="bfloat16",
+                     bucket_elements=4096, shard_group_size=group)
 
 
 def train(opt, steps):
-    for step in steps:
-        for name, grad in opt.grads.items():
-            grad[...] = np.random.default_rng([step, rank]).standard_normal(grad.shape)
-        opt.step()
+    kit.train(opt, steps, SHAPES)
 
 
 def digest(opt) -> tuple:

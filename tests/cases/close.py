@@ -27,17 +27,11 @@ SHAPES = {"w": (3, 5), "b": (4,)}
 
 
 def params():
-    return {k: np.random.default_rng([2, len(k)]).standard_normal(s).astype(np.float32)
-            for k, s in SHAPES.items()}
+    return kit.init_values(SHAPES)
 
 
 def grads(opt, step):
-    for k, s in SHAPES.items():
-        g = np.random.default_rng([7, step, rank, len(k)]).standard_normal(s).astype(np.float32)
-        if opt.grad_shard_dtype is None:
-            opt.grads[k][...] = g
-        else:
-            opt.add_grad(k, g)
+    kit.hand_over(opt, kit.grads_of(rank, step, SHAPES))
 
 
 def raises_naming_close(call, what):
