@@ -171,7 +171,7 @@ def test_offload_bench_tool_reports_both_settings(tmp_path, rule):
 
 def test_importing_the_package_starts_no_thread_pool_machinery():
     """concurrent.futures is imported only when an offloaded optimizer uses threads: its
-    shutdown hook made a JAX process abort at exit now and then (tests/test_jax_example.py)."""
+    shutdown hook made a JAX process abort at exit now and then (tests/test_example_jax_mlp.py)."""
     import subprocess
     import sys
     code = ("import sys, zero1_mpi, zero1_mpi.offload; "
