@@ -5,8 +5,9 @@ build optimizers in one process.
   ``raises`` (assertions that ``python -O`` keeps, naming the rank), ``on_last``.
 - Seeded inputs: ``SHAPES`` (awkward ones), ``init_values``, ``grads_of`` (each rank's own,
   which every rank can compute), ``mean_grads`` (their float64 mean, the oracle's input).
-- Building and training: ``make`` (a rule of the registry by name, with param groups),
-  ``train`` (writes or hands over the gradients, scaled by the loss scale), ``hand_over``.
+- Building and training: ``build`` (the engine running one variant of a rule),
+  ``groups_of`` (two param groups), ``train`` and ``hand_over`` (write or hand over the
+  gradients, scaled by the loss scale), ``close_to`` and ``near`` (the project's bounds).
 - The rules of ``zero1_mpi.rules.registry`` as the tests iterate them: ``rule_cases`` (each
   variant with the option sets that make it), ``oracle`` (the rule's float64 reference where
   ``reference.py`` has one, else one process running the engine on the averaged gradients).
@@ -257,30 +258,6 @@ class EngineOracle:
 
 # -- building and training ---------------------------------------------------------------------
 
-def make(rule="adamw", params=None, comm=world, *, groups=False, options=None, **engine):
-    """The optimizer of rule ``rule`` (a registry name, or ``"adamw"``) over ``params``
-    (default ``init_values()``), with group ``options``; ``groups=True`` puts the tensors of
-    fewer than two dimensions in a second group with half the learning rate and no weight
-    decay."""
-    import zero1_mpi
-    params = init_values() if params is None else params
-    options = dict(options or {})
-    if rule == "adamw":
-        cls = zero1_mpi.ZeroAdamW
-    else:
-        cls = registry()[rule].optimizer
-    if groups:
-        params, _ = groups_of(params, {"lr": options.get("lr", 1e-3), **options},
-                              None if "weight_decay" in _signature(cls) else
-                              {"lr": options.get("lr", 1e-3) / 2})
-    return cls(params, comm, **options, **engine)
-
-
-def _signature(cls):
-    import inspect
-    return inspect.signature(cls).parameters
-
-
 def hand_over(opt, grads: dict, order=None, accumulate=False) -> None:
     """Write ``grads`` (stage 1; added with ``accumulate``) or hand them over with
     ``add_grad`` (stage 2, in backward's order: the reverse of the layout unless ``order``),
@@ -299,18 +276,15 @@ def hand_over(opt, grads: dict, order=None, accumulate=False) -> None:
 
 
 def train(opt, steps, shapes=None, *, wait=True, **grads_kw):
-    """``opt.step()`` for each step of ``steps``, on this rank's ``grads_of`` (in the
-    parameters' dtype, scaled by the loss scale); returns the last ``StepInfo``."""
-    shapes = shapes or {k: tuple(v.shape) for k, v in _param_shapes(opt).items()}
+    """``opt.step()`` for each step of ``steps``, on this rank's ``grads_of`` (``shapes``: the
+    optimizer's by default; in the parameters' dtype, scaled by the loss scale); returns the
+    last ``StepInfo``."""
+    shapes = shapes or {t.name: t.shape for t in opt.layout.tensors}
     info = None
     for step in steps:
         hand_over(opt, grads_of(rank, step, shapes, opt.param_dtype, **grads_kw))
         info = opt.step(wait=wait)
     return info
-
-
-def _param_shapes(opt):
-    return {t.name: np.empty(t.shape, np.uint8) for t in opt.layout.tensors}
 
 
 def params_of(opt) -> dict:

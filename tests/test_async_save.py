@@ -1,6 +1,7 @@
 """Non-blocking saves (``save(..., blocking=False)``): tests/cases/async_save.py on 3 ranks
-and with hierarchical sharding (4 ranks in groups of 2: the replicas write nothing); a job killed while the background write is under way
-keeps the previous checkpoint (tests/cases/checkpoint_crash.py's ``background`` moment)."""
+and with hierarchical sharding (4 ranks in groups of 2: the replicas write nothing); a job
+killed while the background write is under way keeps the previous checkpoint
+(tests/cases/checkpoint_crash.py's ``background`` moment)."""
 
 import subprocess
 import sys

@@ -69,7 +69,7 @@ def test_launcher_errors_name_the_setting():
 def test_started_collectives_compute_the_right_thing(n):
     """tools/mpi_probe.py on what zero1_mpi uses with this MPI (persistent where proven), on 3
     ranks (a count that is no power of two: the algorithms MPI picks for those)."""
-    result = run_mpi(n, "tools/mpi_probe.py", "--mode", "default", "--iterations", "6",
+    result = run_mpi(n, "tools/mpi_probe.py", "--mode", "default", "--iterations", "3",
                      timeout=240, check=False)
     assert result.returncode == 0 and "mpi_probe: all right" in result.stdout, result
     if mpi_flavor() in ("MPICH", "Open MPI", "Intel MPI"):  # the ranks loaded the launcher's MPI
@@ -102,12 +102,10 @@ def test_network_mode_joins_every_rank_pair_by_tcp(n, network):
 
 
 def test_parity_and_checkpoints_over_the_network(tmp_path, network):
-    """TCP between the ranks (no shared memory): Adam's parity cases and the awkward layouts
-    on 3 ranks, and its checkpoints saved on 3 loaded on 2."""
-    out = run_mpi(3, "parity.py", "rules", "layouts", "--rule", "adam", network=True,
-                  timeout=300).stdout
-    assert "OK parity: 12 rule cases (0 against one engine) x 10 steps, 11 layouts on 3 ranks" \
-        in out, out
+    """TCP between the ranks (no shared memory): the awkward layouts' parity on 3 ranks, and
+    Adam's checkpoints saved on 3 loaded on 2."""
+    out = run_mpi(3, "parity.py", "layouts", network=True, timeout=300).stdout
+    assert "OK parity: 11 layouts on 3 ranks" in out, out
     run_mpi(3, "checkpoint.py", "save", str(tmp_path / "N3"), "--rule", "adam", network=True)
     out = run_mpi(2, "checkpoint.py", "load", str(tmp_path), "--rule", "adam", network=True,
                   timeout=300).stdout

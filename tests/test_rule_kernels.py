@@ -3,10 +3,10 @@ each variant's Numba twin gives its NumPy twin's bits (every parameter and gradi
 several chunks and a remainder, one- or two-phase); the NumPy twin follows the rule's float64
 reference (tests/reference.py); its chunk size changes no bit (an elementwise rule) or only the
 rounding of the tensor sums (a two-phase one); zero gradients keep zero padding at zero; a step
-allocates no memory per element (a twin that keeps scratch). Then what is one rule's own: Adam's host scalars are
-torch's, LAMB's trust ratio where a norm is zero; and the Numba helpers (16-bit rounding, the
-sums) and how the CPU kernel is chosen. Only the Numba tests skip where Numba is missing.
-The multi-rank parity of every rule is tests/test_parity.py's.
+allocates no memory per element (a twin that keeps scratch). Then what is one rule's own:
+Adam's host scalars are torch's, LAMB's trust ratio where a norm is zero; and the Numba
+helpers (16-bit rounding, the sums) and how the CPU kernel is chosen. Only the Numba tests
+skip where Numba is missing. The multi-rank parity of every rule is tests/test_parity.py's.
 """
 
 import sys

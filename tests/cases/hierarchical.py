@@ -1,8 +1,8 @@
 """Hierarchical sharding (``shard_group_size=K``): the state sharded over groups of K
 consecutive ranks and replicated across the N / K groups.
 
-    mpiexec -n N python -m mpi4py tests/cases/hierarchical.py save DIR K   (K divides N)
-    mpiexec -n M python -m mpi4py tests/cases/hierarchical.py load DIR
+    mpiexec -n N python -m mpi4py tests/cases/hierarchical.py save DIR K [--rule NAME ...]
+    mpiexec -n M python -m mpi4py tests/cases/hierarchical.py load DIR [--rule NAME ...]
 
 ``save``: every rule of the registry (each variant) in fp32 and bf16: N ranks against one
 process running the rule on the averaged gradients (its float64 reference, the parity bound)
@@ -31,9 +31,12 @@ SHAPES = {"scalar": (), "w": (17, 9), "empty": (0, 4), "v": (5,), "long": (700,)
 STEPS = 6
 
 
+RULES = sys.argv[sys.argv.index("--rule") + 1:] if "--rule" in sys.argv else None
+
+
 def cases():
     return [(f"{name}-{index}", variant, options)
-            for name, entry in kit.registry().items()
+            for name, entry in kit.registry(RULES).items()
             for index, (variant, options) in enumerate(kit.variant_cases(entry))]
 
 
@@ -133,7 +136,7 @@ def save(directory: Path, k: int):
         check_load(label, variant, options, directory, None)
     if rank == 0:
         print(f"OK hierarchical sharding on {size} ranks: K = {k}, rules "
-              f"{', '.join(kit.registry())}, fp32 and bf16")
+              f"{', '.join(kit.registry(RULES))}, fp32 and bf16")
 
 
 def check_load(label, variant, options, directory: Path, k):
