@@ -215,14 +215,18 @@ def groups_of(params: dict, options: dict, second=None) -> list:
             second["weight_decay"] = 0.0
     flat = [k for k, v in params.items() if np.ndim(v) < 2]
     return [{"params": {k: v for k, v in params.items() if k not in flat}},
-            {"params": {k: params[k] for k in flat}, **second}], flat
+            {"params": {k: params[k] for k in flat}, **second}]
 
 
 def oracle(variant, options, init, *, groups=None, max_grad_norm=None, engine=None,
            use_engine=False):
-    """One process on the averaged gradients: the rule's float64 reference (``REFERENCES``;
-    ``step(means)``, ``params`` in float64), or for a rule without one (or ``use_engine``) the
-    engine alone on ``COMM_SELF`` (``EngineOracle``)."""
+    """One process on the averaged gradients, from ``init`` (rank 0's values) with the
+    optimizer's param ``groups`` (their names and options): the rule's float64 reference
+    (``REFERENCES``; ``step(means)``, ``params`` in float64), or for a rule without one (or
+    ``use_engine``) the engine alone on ``COMM_SELF`` (``EngineOracle``)."""
+    if groups is not None:  # as the references take them: names, and the group's options
+        groups = [{"names": list(g["params"]), **{o: v for o, v in g.items() if o != "params"}}
+                  for g in groups]
     make_ref = REFERENCES.get(variant.name)
     if make_ref is not None and not use_engine:
         return make_ref(variant, **{**options, "groups": groups}, max_grad_norm=max_grad_norm,

@@ -61,7 +61,7 @@ def grads_of(r, step, dtype):
 
 def make(variant, options, dtype_name, lr_factor=1.0):
     """``lr_factor`` != 1 builds it with other learning rates, which a load must replace."""
-    params, flat = kit.groups_of(kit.init_values(SHAPES), options)
+    params = kit.groups_of(kit.init_values(SHAPES), options)
     params[1]["lr"] *= lr_factor
     return kit.build(variant, params, world, {**options, "lr": options["lr"] * lr_factor},
                      param_dtype=dtype_name, max_grad_norm=MAX_GRAD_NORM, bucket_elements=500)
@@ -105,10 +105,8 @@ def read_export(path: Path) -> dict:
 def reference(variant, options, dtype_name, n_saved, steps):
     """The float64 oracle after ``steps`` steps (the first HALF on ``n_saved`` ranks' mean
     gradients, the rest on this job's) and its norms, or None for a rule without one."""
-    params, flat = kit.groups_of(kit.init_values(SHAPES), options)
-    groups = [{"names": [k for k in SHAPES if k not in flat]},
-              {"names": flat, **{o: v for o, v in params[1].items() if o != "params"}}]
-    ref = kit.oracle(variant, options, kit.init_values(SHAPES), groups=groups,
+    ref = kit.oracle(variant, options, kit.init_values(SHAPES),
+                     groups=kit.groups_of(kit.init_values(SHAPES), options),
                      max_grad_norm=MAX_GRAD_NORM)
     if isinstance(ref, kit.EngineOracle):
         return None, []
@@ -163,8 +161,8 @@ def check_state(opt, saved: dict, where):
 
 
 def check_options(opt, options, where):
-    params, _ = kit.groups_of(kit.init_values(SHAPES), options)
-    second = {o: v for o, v in params[1].items() if o != "params"}
+    second = {o: v for o, v in kit.groups_of(kit.init_values(SHAPES), options)[1].items()
+              if o != "params"}
     for group, want in zip(opt.param_groups, (options, {**options, **second})):
         for key, value in want.items():
             got = group[key]

@@ -30,7 +30,7 @@ STEPS = 5
 def make(variant, options, dtype, offload, groups=True, **engine):
     params = kit.init_values(SHAPES, xp=xp)
     if groups:  # vectors in a second group with their own options
-        params, _ = kit.groups_of(params, options, {"lr": options["lr"] / 2})
+        params = kit.groups_of(params, options, {"lr": options["lr"] / 2})
     engine = {"bucket_elements": 500, "max_grad_norm": 5.0, "loss_scale": 8.0, **engine}
     return kit.build(variant, params, world, options, param_dtype=dtype,
                      shard_group_size=ARGS.group, offload=offload,

@@ -50,7 +50,7 @@ def grads_of(r, step, micro=0):
 def make(variant, options, dtype, stage2, on=world, **engine):
     """``stage2``: False (stage 1), "fp32" (an fp32 gradient shard) or True (the parameters'
     dtype)."""
-    params, _ = kit.groups_of(kit.init_values(SHAPES, xp=xp), options)
+    params = kit.groups_of(kit.init_values(SHAPES, xp=xp), options)
     engine = {"bucket_elements": 64, "max_grad_norm": 5.0, **engine}
     if stage2:
         engine["shard_gradients"] = True
@@ -87,11 +87,8 @@ def near_reference(variant, options, dtype, stage2, micro_batches):
     sum over ranks in fp32 (rank order), added to the shard in fp32 and, for a shard of the
     parameters' 16-bit dtype, rounded to it once (``stage2=True``), divided by N."""
     opt = make(variant, options, dtype, stage2, loss_scale=8.0)
-    params, flat = kit.groups_of(kit.init_values(SHAPES), options)
     ref = kit.oracle(variant, options, kit.init_values(SHAPES), max_grad_norm=5.0,
-                     groups=[{"names": [k for k in SHAPES if k not in flat]},
-                             {"names": flat, **{o: v for o, v in params[1].items()
-                                                if o != "params"}}])
+                     groups=kit.groups_of(kit.init_values(SHAPES), options))
     if isinstance(ref, kit.EngineOracle):
         return  # a rule without a float64 reference: held to stage 1 bit for bit above
     rounded = stage2 is True and dtype != "float32"
