@@ -49,7 +49,7 @@ def run_mpi(n: int, script: str, *args: str, timeout: float = 180, check: bool =
     ``network=True`` keeps the ranks off shared memory (TCP, as between nodes).
     A ``SLURM_NTASKS`` of the surrounding job is dropped (the runs are not srun steps). Cases
     use the NumPy kernel unless ``env`` says otherwise: the Numba one is bitwise the same
-    (tests/test_kernels.py) and costs every short-lived rank its start-up.
+    (tests/test_rule_kernels.py) and costs every short-lived rank its start-up.
     """
     path = script if "/" in script else str((CASES / script).relative_to(ROOT))
     runner = ["-m", "mpi4py"] if abort_on_exception else []

@@ -1,4 +1,4 @@
-"""The oracle: textbook Adam/AdamW on whole tensors, in float64, one process, no sharding.
+"""The oracles: each rule's textbook update on whole tensors in float64, one process, unsharded.
 
 Written from the ``torch.optim.Adam`` / ``AdamW`` and ``clip_grad_norm_`` documentation,
 independently of ``zero1_mpi``. Param groups are lists of names with their own options.
@@ -138,6 +138,27 @@ class ReferenceLAMB:
                 p_norm, u_norm = np.linalg.norm(p), np.linalg.norm(u)
                 ratio = p_norm / u_norm if p_norm > 0 and u_norm > 0 else 1.0
                 p -= lr * ratio * u
+        return norm
+
+
+class ReferenceSignMomentum:
+    """signSGD with momentum, the example rule of docs/update-rules.md (which
+    tests/test_rule_registry.py adds to a copy of the package), in float64: ``m = b m + (1 - b)
+    g``; ``p -= lr sign(m)``."""
+
+    def __init__(self, params, lr=1e-3, beta=0.9, groups=None, max_grad_norm=None):
+        self.params = {k: np.array(v, dtype=np.float64) for k, v in params.items()}
+        self.buf = {k: np.zeros_like(v) for k, v in self.params.items()}
+        defaults = {"lr": lr, "beta": beta}
+        self.groups = [{**defaults, **g} for g in (groups or [{"names": list(params)}])]
+        self.max_grad_norm = max_grad_norm
+
+    def step(self, grads) -> float:
+        grads, norm = clipped(grads, self.max_grad_norm)
+        for group in self.groups:
+            for k in group["names"]:
+                self.buf[k] = group["beta"] * self.buf[k] + (1 - group["beta"]) * grads[k]
+                self.params[k] -= group["lr"] * np.sign(self.buf[k])
         return norm
 
 

@@ -1,13 +1,15 @@
 """The bucket pipeline through its interface, in one process: readiness starts buckets last to
 first, only once every later bucket has started; usage errors come before any collective;
 ``reduce_all`` returns each bucket's shard and begins a new round; ``discard`` forgets a round;
-gathers are counted until waited for. Multi-rank behaviour (bitwise the plain step, on every
-rank) is in tests/cases/overlap.py."""
+gathers are counted until waited for. And on 3 ranks (tests/cases/overlap.py): the overlapped
+step, the reductions started from ``grads_ready`` in a different order on every rank and the
+gathers left in flight, gives the plain step's bits."""
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpirun import run_mpi
 from zero1_mpi import Communicator, build_layout
 from zero1_mpi.buckets import BucketPipeline
 from zero1_mpi.gathers import ParamGathers
@@ -15,7 +17,7 @@ from zero1_mpi.reductions import NumpyReductions
 from zero1_mpi.topology import Topology
 from zero1_mpi.watchdog import Watchdog
 
-pytestmark = pytest.mark.mpi_independent  # (conftest.py)
+one_process = pytest.mark.mpi_independent  # (conftest.py)
 
 # Three buckets of 64: "a" in the first, "b" across the first two, "c" in the last.
 SHAPES = {"a": (40,), "b": (60,), "c": (50,)}
@@ -29,6 +31,7 @@ def pipeline():
     return buckets, buckets.buffer
 
 
+@one_process
 def test_buckets_start_last_to_first_once_their_tensors_are_ready():
     buckets, _ = pipeline()
     assert len(buckets.layout.buckets) == 3 and buckets.started == ()
@@ -40,6 +43,7 @@ def test_buckets_start_last_to_first_once_their_tensors_are_ready():
     assert buckets.started == (2, 1, 0)
 
 
+@one_process
 def test_usage_errors_come_first_and_change_nothing():
     buckets, _ = pipeline()
     buckets.mark_ready(buckets.check_ready("c"))
@@ -50,6 +54,7 @@ def test_usage_errors_come_first_and_change_nothing():
     assert buckets.started == (2,)
 
 
+@one_process
 def test_reduce_all_returns_every_shard_and_begins_a_new_round():
     buckets, grads = pipeline()
     grads[:] = np.arange(grads.size)
@@ -64,6 +69,7 @@ def test_reduce_all_returns_every_shard_and_begins_a_new_round():
     assert buckets.started == ()
 
 
+@one_process
 def test_gathers_are_counted_until_waited_for():
     buckets, _ = pipeline()
     gathers = ParamGathers(buckets.layout, np.zeros(buckets.layout.total, np.float32),
@@ -74,3 +80,8 @@ def test_gathers_are_counted_until_waited_for():
     gathers.wait()
     assert gathers.in_flight == 0
     assert buckets.scratch_bytes == 0  # no 16-bit exchange: no receive slots
+
+
+def test_overlapped_communication_gives_the_same_bits():
+    """Every MPI's pass: what MPI does with started collectives is the library's own."""
+    assert "OK overlap on 3 ranks" in run_mpi(3, "overlap.py", timeout=120).stdout

@@ -87,6 +87,20 @@ def test_a_closed_optimizer_raises_naming_close_and_close_is_idempotent():
 
 
 @pytest.mark.mpi_independent
+@pytest.mark.parametrize("engine", [{}, {"shard_gradients": True}, {"offload": "cpu"}])
+def test_the_parts_close_in_the_reverse_order_of_their_construction(engine):
+    opt = ZeroAdamW({"w": np.ones(4, np.float32)}, MPI.COMM_SELF, lr=0.1, **engine)
+    closed = []
+    for part in opt._parts:  # in the order the optimizer built them
+        part.close = (lambda close, name: lambda: (closed.append(name), close())[1])(
+            part.close, type(part).__name__)
+    opt.close()
+    source = "GradientShards" if engine.get("shard_gradients") else "BucketPipeline"
+    state = "HostState" if engine.get("offload") else "ShardedState"
+    assert closed == ["Persistence", source, state, "Watchdog", "Topology"]
+
+
+@pytest.mark.mpi_independent
 def test_free_frees_only_what_the_communicator_made():
     world = Communicator(MPI.COMM_SELF)
     sub = world.split(0)

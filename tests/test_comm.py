@@ -129,16 +129,32 @@ def test_two_ranks_on_one_gpu_is_named_before_nccl_starts():
         assert words in str(error)
 
 
+def test_split_keeps_the_explicit_settings():
+    """A sub-communicator (hierarchical sharding's groups and replicas) keeps its parent's
+    explicit settings, each set here to the opposite of its default; through an optimizer's
+    ``shard_comm`` and ``replica_comm`` in tests/cases/hierarchical.py."""
+    default = Communicator(MPI.COMM_SELF)
+    settings = {"persistent": not default.persistent, "cuda_aware": not default.cuda_aware,
+                "device_started": not default.device_started, "stage_host": True}
+    parent = Communicator(MPI.COMM_SELF, **settings)
+    sub = parent.split(0)
+    assert {name: getattr(sub, name) for name in settings} == settings
+    for name in ("persistent", "cuda_aware", "device_started"):
+        assert getattr(sub, f"{name}_source") == getattr(parent, f"{name}_source") == "argument"
+    sub.free()
+    parent.free()
+    default.free()
+
+
 def test_node_rank_is_the_place_among_the_nodes_ranks():
     assert Communicator(MPI.COMM_SELF).node_rank() == 0
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_collective_call_failure_reaches_every_rank(n):
+def test_collective_call_failure_reaches_every_rank():
     """One rank's failing call (others blocked inside theirs), a late failure after the
     others succeeded, and all succeeding; and NCCL's unique id from rank 0 (or its error)."""
-    out = run_mpi(n, "collective_call.py", timeout=120).stdout
-    assert f"OK collective_call on {n} ranks" in out
+    out = run_mpi(3, "collective_call.py", timeout=120).stdout
+    assert "OK collective_call on 3 ranks" in out
 
 
 def test_collective_call_on_one_rank_returns_or_raises_naming_it():
@@ -148,9 +164,18 @@ def test_collective_call_on_one_rank_returns_or_raises_naming_it():
         comm.collective_call(lambda: 1 / 0, "the call")
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_staged_and_direct_paths_train_alike(n):
+def test_staged_and_direct_paths_train_alike():
     """Every rule: the staged path and the direct one give the same parameters (bitwise for
     bf16); on a GPU the same case compares device buffers handed to MPI (tools/gpu_check.sh)."""
-    out = run_mpi(n, "transport.py", "numpy", "--elements", "200K", timeout=240).stdout
-    assert f"OK transport: 4 rules x fp32, bf16 on {n} ranks (numpy; direct path: host" in out
+    out = run_mpi(3, "transport.py", "numpy", "--elements", "200K", timeout=240).stdout
+    assert "OK transport: 4 rules x fp32, bf16 on 3 ranks (numpy; direct path: host" in out
+
+
+@pytest.mark.parametrize("n, kernel", [(3, "auto"), (4, "numpy")])
+def test_communicator_collectives_direct_and_staged(n, kernel):
+    """Every collective on every dtype, direct and staged (tests/cases/comm.py): reductions are
+    sums in some order, agreement raises everywhere, the optimizer through staging, float16
+    sums in MPI; a step in steady state allocates only a few KB (with the Numba kernel where
+    it imports, on 3 ranks)."""
+    out = run_mpi(n, "comm.py", timeout=120, env={"ZERO1_MPI_KERNEL": kernel}).stdout
+    assert f"OK comm on {n} ranks" in out

@@ -24,8 +24,8 @@ def lines(out: str, word: str) -> list[str]:
     return re.findall(rf"^{word} (.*)$", out, re.MULTILINE)
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_a_signal_to_one_rank_checkpoints_every_rank_and_resumes_bitwise(tmp_path, n):
+def test_a_signal_to_one_rank_checkpoints_every_rank_and_resumes_bitwise(tmp_path):
+    n = 3
     whole = run_mpi(n, "preemption.py", "train", str(tmp_path / "whole"), str(STEPS)).stdout
     assert not lines(whole, "STOP") and len(lines(whole, "LOSS")) == STEPS, whole
     cut = run_mpi(n, "preemption.py", "train", str(tmp_path / "cut"), str(STEPS),
@@ -45,16 +45,12 @@ def test_a_signal_to_one_rank_checkpoints_every_rank_and_resumes_bitwise(tmp_pat
     assert lines(resumed, "PARAMS") == lines(whole, "PARAMS"), (whole, resumed)
 
 
-@pytest.mark.parametrize("n", [3])
-def test_an_overflowed_step_still_checkpoints_and_stops(tmp_path, n):
-    out = run_mpi(n, "preemption.py", "overflow", str(tmp_path)).stdout
-    assert f"OK overflow: skipped, checkpointed and stopped on {n} ranks" in out
-
-
-@pytest.mark.parametrize("n", [3])
-def test_bad_arguments_raise_on_every_rank_and_no_collective_is_added(tmp_path, n):
-    out = run_mpi(n, "preemption.py", "errors", str(tmp_path)).stdout
-    assert f"OK preemption errors on {n} ranks" in out
+def test_overflow_and_bad_arguments(tmp_path):
+    """An overflowed step still checkpoints and stops; bad arguments raise on every rank and
+    an armed step adds no collective (one job, 3 ranks)."""
+    out = run_mpi(3, "preemption.py", "overflow,errors", str(tmp_path)).stdout
+    assert "OK overflow: skipped, checkpointed and stopped on 3 ranks" in out, out
+    assert "OK preemption errors on 3 ranks" in out, out
 
 
 #: Signals sent to ``mpiexec`` that it forwards to every rank and then lets the ranks finish,

@@ -7,7 +7,6 @@ nothing in training, holds one host copy of the shard, and reports a failed writ
 GROUP: ``shard_group_size`` (hierarchical: the replicas write nothing and hold no copy).
 """
 
-import hashlib
 import signal
 import sys
 import threading
@@ -19,7 +18,8 @@ from mpi4py import MPI
 
 import zero1_mpi.checkpoint as checkpoint
 from zero1_mpi import CheckpointError, ZeroAdamW
-from expect import check, raises
+import casekit as kit
+from casekit import check, raises
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -27,24 +27,18 @@ SHAPES = {"w": (300, 70), "b": (70,), "s": ()}
 
 
 def make(group=None):
-    init = {k: np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s)
-            for k, s in SHAPES.items()}
-    return ZeroAdamW(init, comm, lr=1e-2, param_dtype="bfloat16", bucket_elements=4096,
-                     shard_group_size=group)
+    return ZeroAdamW(kit.init_values(SHAPES), comm, lr=1e-2, param_dtype="bfloat16",
+                     bucket_elements=4096, shard_group_size=group)
 
 
 def train(opt, steps):
-    for step in steps:
-        for name, grad in opt.grads.items():
-            grad[...] = np.random.default_rng([step, rank]).standard_normal(grad.shape)
-        opt.step()
+    kit.train(opt, steps, SHAPES)
 
 
 def digest(opt) -> tuple:
     """The whole job's state: every rank's arrays, hashed, gathered."""
-    arrays = [opt.state.flat, opt.state.master, *opt.state.state.values()]
-    mine = hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()
-    return tuple(comm.allgather(mine)), opt.step_count
+    mine, steps = kit.digest(opt)
+    return tuple(comm.allgather(mine)), steps
 
 
 def latest(root: Path) -> str:

@@ -20,27 +20,27 @@ import signal
 import sys
 from pathlib import Path
 
-import numpy as np
 from mpi4py import MPI
 
 import zero1_mpi.checkpoint as checkpoint
 from zero1_mpi import ZeroAdamW
-from expect import check
+import casekit as kit
+from casekit import check
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 
 
+SHAPES = {"w": (3000,), "b": (11,)}
+
+
 def make():
-    init = {"w": np.linspace(-1, 1, 3000, dtype=np.float32), "b": np.ones(11, np.float32)}
-    return ZeroAdamW(init, comm, lr=1e-2, param_dtype="bfloat16", bucket_elements=1000)
+    return ZeroAdamW(kit.init_values(SHAPES), comm, lr=1e-2, param_dtype="bfloat16",
+                     bucket_elements=1000)
 
 
 def train(opt, steps):
-    for step in steps:
-        for k, g in opt.grads.items():
-            g[...] = np.random.default_rng([step, rank]).standard_normal(g.shape)
-        opt.step()
+    kit.train(opt, steps, SHAPES)
 
 
 def die(moment, seen):

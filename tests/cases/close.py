@@ -15,7 +15,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from expect import check
+import casekit as kit
+from casekit import check
 from zero1_mpi import Communicator, ZeroAdamW, ZeroSGD
 
 comm = MPI.COMM_WORLD
@@ -26,17 +27,11 @@ SHAPES = {"w": (3, 5), "b": (4,)}
 
 
 def params():
-    return {k: np.random.default_rng([2, len(k)]).standard_normal(s).astype(np.float32)
-            for k, s in SHAPES.items()}
+    return kit.init_values(SHAPES)
 
 
 def grads(opt, step):
-    for k, s in SHAPES.items():
-        g = np.random.default_rng([7, step, rank, len(k)]).standard_normal(s).astype(np.float32)
-        if opt.grad_shard_dtype is None:
-            opt.grads[k][...] = g
-        else:
-            opt.add_grad(k, g)
+    kit.hand_over(opt, kit.grads_of(rank, step, SHAPES))
 
 
 def raises_naming_close(call, what):
@@ -88,8 +83,8 @@ seconds = time.perf_counter() - started
 
 check(threading.active_count() == threads_before,
       f"{threading.active_count()} threads after closing the optimizers, {threads_before} before")
-check(not user._persistent, f"{len(user._persistent)} persistent requests left on the caller's "
-      "communicator by closed optimizers")
+check(not kit.persistent_requests(user), f"{kit.persistent_requests(user)} persistent requests "
+      "left on the caller's communicator by closed optimizers")
 check(user.allreduce_sum([1.0])[0] == size, "the caller's Communicator stopped working")
 user.free()
 user.free()

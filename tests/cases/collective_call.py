@@ -11,7 +11,7 @@ import time
 
 from mpi4py import MPI
 
-from expect import check
+from casekit import check
 from zero1_mpi import Communicator
 from zero1_mpi.nccl import exchange_unique_id
 

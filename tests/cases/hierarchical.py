@@ -1,60 +1,53 @@
 """Hierarchical sharding (``shard_group_size=K``): the state sharded over groups of K
 consecutive ranks and replicated across the N / K groups.
 
-    mpiexec -n N python -m mpi4py tests/cases/hierarchical.py save DIR   (N = 4 or 6)
-    mpiexec -n M python -m mpi4py tests/cases/hierarchical.py load DIR
+    mpiexec -n N python -m mpi4py tests/cases/hierarchical.py save DIR K [--rule NAME ...]
+    mpiexec -n M python -m mpi4py tests/cases/hierarchical.py load DIR [--rule NAME ...]
 
-``save``, for every K that divides N (1 < K < N) and every rule (Adam, SGD with momentum, Lion,
-LAMB) in fp32 and bf16: N ranks against one process running the rule on the averaged gradients
-(float64 reference, the parity bound) and against flat sharding (K = N), with tensors that
-straddle shards and buckets, clipping and a loss scale; each rank holds the rule's state for
-1/K of the parameters (``memory_report``); bad values (K not dividing N, K = 1, K differing
-between ranks) raise on every rank. Then, per rule,
-a checkpoint and a consolidated export saved under the largest K load under flat sharding on
-the same ranks (the export of the loaded state is byte for byte the saved one). ``load``
-(another world size, flat or K = 2) loads every saved checkpoint and checks the same.
+``save``: every rule of the registry (each variant) in fp32 and bf16: N ranks against one
+process running the rule on the averaged gradients (its float64 reference, the parity bound)
+and against flat sharding (K = N), with tensors that straddle shards and buckets, the
+reductions started from ``grads_ready`` in backward's order, clipping and a loss scale; each
+rank holds the rule's state for 1/K of the parameters (``memory_report``); the groups' and the
+replicas' communicators keep the explicit settings of the optimizer's ``Communicator``
+(``persistent``, ``cuda_aware``, ``device_started``, ``stage_host``); bad values (K not
+dividing N, K = 1, K differing between ranks) raise on every rank. Then, per rule, a checkpoint
+and a consolidated export saved under K load under flat sharding on the same ranks (the export
+of the loaded state is byte for byte the saved one). ``load`` (another world size, flat and,
+where it divides M, K = 2) loads every saved checkpoint and checks the same.
 """
 
 import sys
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
-from expect import check
-from reference import (ReferenceAdam, ReferenceLAMB, ReferenceLion, ReferenceSGD,
-                       close_to_reference)
-from zero1_mpi import CollectiveError, ZeroAdamW, ZeroLAMB, ZeroLion, ZeroSGD
+import casekit as kit
+from casekit import check, rank, size, world
+from zero1_mpi import CollectiveError, Communicator, ZeroAdamW
 from zero1_mpi.backend import resolve_dtype
 
-comm = MPI.COMM_WORLD
-rank, size = comm.Get_rank(), comm.Get_size()
 SHAPES = {"scalar": (), "w": (17, 9), "empty": (0, 4), "v": (5,), "long": (700,)}
 STEPS = 6
-RULES = {  # optimizer, reference, options (the reference's spelling where it differs)
-    "adam": (ZeroAdamW, ReferenceAdam, {"lr": 1e-2, "weight_decay": 0.1},
-             {"decoupled": True}),
-    "sgd": (ZeroSGD, ReferenceSGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.1,
-                                    "weight_decay": 0.01}, {}),
-    "lion": (ZeroLion, ReferenceLion, {"lr": 1e-3, "weight_decay": 0.1}, {}),
-    "lamb": (ZeroLAMB, ReferenceLAMB, {"lr": 1e-2, "weight_decay": 0.01}, {}),
-}
 
 
-def init_values():
-    return {k: np.random.default_rng([4, len(k)]).standard_normal(s).astype(np.float32)
-            for k, s in SHAPES.items()}
+RULES = sys.argv[sys.argv.index("--rule") + 1:] if "--rule" in sys.argv else None
+
+
+def cases():
+    return [(f"{name}-{index}", variant, options)
+            for name, entry in kit.registry(RULES).items()
+            for index, (variant, options) in enumerate(kit.variant_cases(entry))]
+
+
+def make(variant, options, dtype_name, k):
+    return kit.build(variant, kit.init_values(SHAPES), world, options, param_dtype=dtype_name,
+                     bucket_elements=1, max_grad_norm=20.0, loss_scale=4.0,
+                     shard_group_size=k)
 
 
 def grads_of(r, step):
-    rng = np.random.default_rng([11, step, r])
-    return {k: rng.standard_normal(s).astype(np.float32) * (1 + r) for k, s in SHAPES.items()}
-
-
-def make(rule, dtype_name, k):
-    cls, _, options, _ = RULES[rule]
-    return cls(init_values(), comm, param_dtype=dtype_name, bucket_elements=1,
-               max_grad_norm=20.0, loss_scale=4.0, shard_group_size=k, **options)
+    return kit.grads_of(r, step, SHAPES, seed=11, scale=1.0 + r)
 
 
 def train(opt, steps):
@@ -68,40 +61,56 @@ def train(opt, steps):
         opt.step()
 
 
-def check_parity(rule, dtype_name, k):
+def check_parity(variant, options, dtype_name, k):
     dtype = resolve_dtype(dtype_name)
-    _, reference, options, extra = RULES[rule]
-    opt, flat = make(rule, dtype_name, k), make(rule, dtype_name, None)
-    ref = reference(init_values(), max_grad_norm=20.0, **options, **extra)
+    opt, flat = make(variant, options, dtype_name, k), make(variant, options, dtype_name, None)
+    ref = kit.oracle(variant, options, kit.init_values(SHAPES), max_grad_norm=20.0)
+    if isinstance(ref, kit.EngineOracle):
+        ref = None  # a rule without a float64 reference: held to flat sharding only
     check((opt.shard_group_size, opt.shard_rank, opt.replicas) == (k, rank % k, size // k),
-          f"K={k}: shard_group_size/shard_rank/replicas on rank {rank}")
+          f"K={k}: shard_group_size/shard_rank/replicas")
+    where = f"{variant.settings()} {dtype_name} K={k}"
     for step in range(1, STEPS + 1):
         train(opt, [step])
         train(flat, [step])
-        every = [grads_of(r, step) for r in range(size)]
-        ref.step({k_: np.mean([e[k_].astype(dtype).astype(np.float64) for e in every], axis=0)
-                  for k_ in SHAPES})
-        for name in SHAPES:
-            for what, got in (("K", opt.params[name]), ("flat", flat.params[name])):
-                ok, err = close_to_reference(got, ref.params[name], dtype)
-                check(ok, f"{rule} {dtype_name} K={k} ({what}): step {step}, {name!r} off by "
-                          f"{err} on rank {rank} of {size}")
+        if ref is not None:
+            ref.step({n: np.mean([grads_of(r, step)[n].astype(dtype).astype(np.float64)
+                                  for r in range(size)], axis=0) for n in SHAPES})
+            kit.close_to(opt.params, ref.params, dtype, f"{where} step {step}")
+            kit.close_to(flat.params, ref.params, dtype, f"{where} (flat) step {step}")
+        else:
+            for n in SHAPES:
+                kit.near(opt.params[n], flat.params[n], not variant.tensor_sums,
+                         f"{where} step {step}: {n!r} against flat sharding")
     report = opt.memory_report()
     owned = opt.layout.owned_real(opt.shard_rank)
     check(report.state == {s: 4 * owned for s in opt.rule.state_names},
-          f"{rule} K={k}: state bytes {report.state} on rank {rank}")
-    total = comm.allreduce(sum(report.state.values()))
+          f"{where}: state bytes {report.state}")
+    total = world.allreduce(sum(report.state.values()))
     check(total == (size // k) * 4 * len(opt.rule.state_names) * opt.layout.numel,
-          f"{rule} K={k}: the ranks hold {total} bytes of state, not N/K replicas of it")
+          f"{where}: the ranks hold {total} bytes of state, not N/K replicas of it")
+
+
+def check_sub_communicators_keep_the_settings(k):
+    """The groups' and the replicas' communicators (``Communicator.split``) keep the explicit
+    settings of the one the optimizer was given, each the opposite of its default here."""
+    default = Communicator(world)
+    settings = {"persistent": not default.persistent, "cuda_aware": not default.cuda_aware,
+                "device_started": not default.device_started, "stage_host": True}
+    default.free()
+    given = Communicator(world, **settings)
+    opt = ZeroAdamW(kit.init_values(SHAPES), given, shard_group_size=k)
+    for which in ("shard_comm", "replica_comm"):
+        sub = getattr(opt, which)
+        got = {name: getattr(sub, name) for name in settings}
+        check(got == settings, f"K={k}: opt.{which} has {got}, its parent {settings}")
+    opt.close()
+    given.free()
 
 
 def expect_error(kind, words, **kwargs):
-    try:
-        ZeroAdamW(init_values(), comm, bucket_elements=1, **kwargs)
-    except kind as exc:
-        check(all(w in str(exc) for w in words), f"rank {rank}: {exc}")
-    else:
-        raise AssertionError(f"rank {rank}: {kwargs} was accepted")
+    kit.raises(kind, words, lambda: ZeroAdamW(kit.init_values(SHAPES), world,
+                                              bucket_elements=1, **kwargs))
 
 
 def check_bad_values():
@@ -113,44 +122,45 @@ def check_bad_values():
                  shard_group_size=2 if rank == 0 else None)
 
 
-def save(directory: Path):
-    groups = [k for k in range(2, size) if size % k == 0]
-    for k in groups:
-        for rule in RULES:
-            for dtype_name in ("float32", "bfloat16"):
-                check_parity(rule, dtype_name, k)
+def save(directory: Path, k: int):
+    for label, variant, options in cases():
+        for dtype_name in ("float32", "bfloat16"):
+            check_parity(variant, options, dtype_name, k)
+    check_sub_communicators_keep_the_settings(k)
     check_bad_values()
-    k = groups[-1]
-    for rule in RULES:
-        opt = make(rule, "bfloat16", k)
+    for label, variant, options in cases():
+        opt = make(variant, options, "bfloat16", k)
         train(opt, range(1, STEPS + 1))
-        opt.save(directory / rule)
-        opt.save_consolidated(directory / f"{rule}.safetensors")
-        check_load(rule, directory, None)
+        opt.save(directory / label)
+        opt.save_consolidated(directory / f"{label}.safetensors")
+        check_load(label, variant, options, directory, None)
     if rank == 0:
-        print(f"OK hierarchical sharding on {size} ranks: K = {groups}, rules "
-              f"{', '.join(RULES)}, fp32 and bf16")
+        print(f"OK hierarchical sharding on {size} ranks: K = {k}, rules "
+              f"{', '.join(kit.registry(RULES))}, fp32 and bf16")
 
 
-def check_load(rule, directory: Path, k):
-    """Load ``rule``'s checkpoint under shard_group_size=k; its export must be the saved one."""
-    opt = make(rule, "bfloat16", k)
-    opt.load(directory / rule)
-    mine = directory / f"{rule}-loaded-{size}-{k}.safetensors"
+def check_load(label, variant, options, directory: Path, k):
+    """Load ``label``'s checkpoint under shard_group_size=k; its export must be the saved one."""
+    opt = make(variant, options, "bfloat16", k)
+    opt.load(directory / label)
+    mine = directory / f"{label}-loaded-{size}-{k}.safetensors"
     opt.save_consolidated(mine)
     if rank == 0:
-        same = mine.read_bytes() == (directory / f"{rule}.safetensors").read_bytes()
-        check(same, f"{rule}: the state loaded on {size} ranks with K={k} differs from the saved")
-    comm.Barrier()
+        same = mine.read_bytes() == (directory / f"{label}.safetensors").read_bytes()
+        check(same, f"{label}: the state loaded on {size} ranks with K={k} differs from the saved")
+    world.Barrier()
 
 
 def load(directory: Path):
     for k in [None] + ([2] if size % 2 == 0 and size > 2 else []):
-        for rule in RULES:
-            check_load(rule, directory, k)
+        for label, variant, options in cases():
+            check_load(label, variant, options, directory, k)
     if rank == 0:
         print(f"OK hierarchical checkpoints loaded on {size} ranks")
 
 
 if __name__ == "__main__":
-    {"save": save, "load": load}[sys.argv[1]](Path(sys.argv[2]))
+    if sys.argv[1] == "save":
+        save(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        load(Path(sys.argv[2]))

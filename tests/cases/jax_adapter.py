@@ -19,7 +19,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from expect import check
+from casekit import check
 from mpi4py import MPI
 from reference import ReferenceAdam, ReferenceSGD, close_to_reference
 

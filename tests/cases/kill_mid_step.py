@@ -12,6 +12,7 @@ import signal
 import numpy as np
 from mpi4py import MPI
 
+from casekit import fail_in
 from zero1_mpi import ZeroAdam
 
 comm = MPI.COMM_WORLD
@@ -21,7 +22,7 @@ if comm.Get_rank() == comm.Get_size() - 1:
     def killed_update(*args):
         print(f"KILLING rank {comm.Get_rank()} after the reduce-scatter", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    opt.state._update_bucket = killed_update  # called after the reductions, before the all-gathers
+    fail_in(opt, "update", killed_update)  # after the reductions, before the all-gathers
 opt.grads["w"][...] = 1.0
 opt.step()
 print("UNREACHABLE: step returned on rank", comm.Get_rank(), flush=True)

@@ -31,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 import zero1_mpi
-from expect import check
+from casekit import check
 from zero1_mpi import ZeroAdamW, ZeroLion, ZeroSGD
 from zero1_mpi.checkpoint import CHUNK
 from zero1_mpi.memory import stage1_bytes, stage1_fp32_bytes

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from expect import check
+from casekit import check
 from zero1_mpi import CollectiveError, ZeroAdamW, ZeroLAMB
 
 callers = set()

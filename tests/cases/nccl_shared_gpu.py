@@ -7,7 +7,7 @@ fail on some ranks, or hang). A GPU machine's case: tests/test_gpu.py runs it.
 
 from mpi4py import MPI
 
-from expect import check
+from casekit import check
 from zero1_mpi.backend import use_device
 from zero1_mpi.nccl import NcclCommunicator
 

@@ -2,8 +2,7 @@
 
     mpiexec -n N python -m mpi4py tests/cases/preemption.py train DIR STEPS [--signal-at K]
     mpiexec -n N python -m mpi4py tests/cases/preemption.py train DIR STEPS --resume
-    mpiexec -n N python -m mpi4py tests/cases/preemption.py overflow DIR
-    mpiexec -n N python -m mpi4py tests/cases/preemption.py errors DIR
+    mpiexec -n N python -m mpi4py tests/cases/preemption.py overflow[,errors] DIR
     mpiexec -n N python -m mpi4py tests/cases/preemption.py launcher DIR SIGNAL
 
 ``train`` runs STEPS steps of a small model with deterministic gradients (a function of the
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from expect import check, raises
+from casekit import check, raises
 from zero1_mpi import CollectiveError, Communicator, LossScaler, ZeroAdamW
 from zero1_mpi.checkpoint import read_manifest, resolve
 
@@ -268,10 +267,9 @@ if mode == "train":
     rest = sys.argv[4:]
     at = int(rest[rest.index("--signal-at") + 1]) if "--signal-at" in rest else None
     train(root, int(sys.argv[3]), signal_at=at, resume="--resume" in rest)
-elif mode == "overflow":
-    overflow(root)
-elif mode == "errors":
-    errors(root)
+elif set(mode.split(",")) <= {"overflow", "errors"}:  # one or both, in one job
+    for each in mode.split(","):
+        {"overflow": overflow, "errors": errors}[each](root / each)
 elif mode == "launcher":
     launcher(root, sys.argv[3])
 else:

@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import torch
 from mpi4py import MPI
-from expect import raises
+from casekit import raises
 from reference import close_to_reference
 
 from zero1_mpi import decay_groups

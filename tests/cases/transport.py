@@ -15,7 +15,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from expect import check
+from casekit import check
 from zero1_mpi import Communicator
 from zero1_mpi.backend import to_numpy, use_device, xp_for
 from zero1_mpi.memory import parse_param_count

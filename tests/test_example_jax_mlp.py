@@ -80,8 +80,8 @@ def test_docstring_opens_with_launch_command():
 
 def test_float32_on_2_ranks_trains_as_one_process_and_as_the_numpy_example():
     """The global batch is the same at any world size: 2 ranks differ from 1 only in the order
-    of the sums (the tolerance of the torch DDP comparison, tests/test_torch.py); the NumPy
-    example computes the same model with a hand-written backward pass."""
+    of the sums (the tolerance of the torch DDP comparison, tests/test_example_torch_autograd.py);
+    the NumPy example computes the same model with a hand-written backward pass."""
     two = run(EXAMPLE, 2, "--steps", STEPS, "--dtype", "float32")
     one = run(EXAMPLE, 1, "--steps", STEPS, "--dtype", "float32")
     numpy_example = run("examples/train_mlp.py", 1, "--steps", STEPS, "--dtype", "float32")

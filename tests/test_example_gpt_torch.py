@@ -1,8 +1,8 @@
 """examples/gpt_torch.py on 2 ranks, at a tiny size (skipped where torch is not installed).
 
 - float32: the zero1_mpi run's loss curve equals DistributedDataParallel + torch.optim.AdamW's
-  on the same batches, step by step (the tolerance of tests/test_torch.py); with matplotlib
-  installed, ``--plot`` writes a PNG.
+  on the same batches, step by step (the tolerance of tests/test_example_torch_autograd.py);
+  with matplotlib installed, ``--plot`` writes a PNG.
 - bfloat16 (the default): a run whose last rank is SIGKILLed resumes from its last checkpoint
   and goes on with the losses, bit for bit, of an uninterrupted run; the sample is printed.
 - ``--plot`` without matplotlib stops before training with a message that says so.
