@@ -87,8 +87,8 @@ def test_adding_the_docs_rule_is_one_file_and_one_registry_line(tmp_path):
     assert names.startswith(str(root)) and "'sign_momentum'" in names
     table = in_copy(root, python, "tools/memory_table.py", "--optimizer", "sign_momentum")
     assert "ZeroSignMomentum, K = 8 (stage 1: 2Ψ+2Ψ+8Ψ/N)" in table
-    bench = in_copy(root, python, "tools/bench.py", "--optimizer", "sign_momentum", "--model",
-                    "flat:64K", "--steps", "1", "--warmup", "0", "--ranks", "1")
+    bench = in_copy(root, python, "tools/bench.py", "step", "--optimizer", "sign_momentum",
+                    "--model", "flat:64K", "--steps", "1", "--warmup", "0", "--ranks", "1")
     assert "full SignMomentum |" in bench and "| 1 | zero1_numpy |" in bench
     assert "skipped, torch has no SignMomentum optimizer" in bench
     # The tests that iterate the registry, run in the copy, cover the new rule.
