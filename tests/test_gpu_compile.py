@@ -127,7 +127,7 @@ def test_a_registered_rule_is_compiled_too(tmp_path):
     """The rule of docs/update-rules.md added as one file and one registry line (in a copy of
     the package): the tool finds, builds and compiles its kernels beside everyone else's."""
     run_tool("--only", "zero1_lion_fp32", timeout=300)  # skips where the tool cannot run
-    from test_registry import copy_with_readme_rule
+    from test_rule_registry import copy_with_readme_rule
     root = copy_with_readme_rule(tmp_path)
     result = subprocess.run([sys.executable, "tools/gpu_compile_check.py"], cwd=root,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
