@@ -398,3 +398,12 @@ def persistent_requests(comm) -> int:
 def host_kernel_scratch(opt) -> int:
     """The scratch bytes of ``opt``'s update kernel (with offload, the host kernel's)."""
     return opt.state.kernel.scratch_bytes
+
+
+def reduce_now(opt) -> np.ndarray:
+    """Complete this step's reductions as ``step()`` would and return this rank's reduced
+    gradient shards (every bucket's, concatenated, as float64), then zero the gradients."""
+    shards = opt.gradients.reduce_all()
+    got = np.concatenate([np.asarray(to_numpy(s), np.float64) for s in shards])
+    opt.gradients.zero()
+    return got

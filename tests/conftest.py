@@ -18,7 +18,8 @@ import numpy as np
 from zero1_mpi.backend import PARAM_DTYPES
 from zero1_mpi.reductions import NumbaReductions
 from zero1_mpi.rules.registry import builtin_rules
-reductions = NumbaReductions()
+from zero1_mpi.wire import NumbaCodec, packed_bytes
+reductions, codec = NumbaReductions(), NumbaCodec(64)
 for dtype in PARAM_DTYPES.values():
     for entry in builtin_rules().values():
         for rule in entry.variants:
@@ -33,12 +34,17 @@ for dtype in PARAM_DTYPES.values():
                 kernel(np.ones(64, dtype), *state, param, s)
     reductions.sum_of_squares(np.ones(64, dtype))
     reductions.sum_blocks(np.ones((2, 64), dtype), np.zeros(64, np.float32))
+    packed = np.zeros(packed_bytes(64), np.uint8)
+    codec.encode(np.ones(64, dtype), packed)
+    codec.encode(np.ones(64, dtype), packed, np.zeros(64, dtype))
+    codec.decode_sum(packed[None], 64, np.zeros(64, np.float32))
+    codec.decode_add(packed, np.ones(64, dtype))
 """
 
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_numba_cache():
-    """Compile the Numba kernels (every registered rule's, and the reductions) once, before any
+    """Compile the Numba kernels (every registered rule's, the reductions, the 8-bit codec) once, before any
     multi-rank case runs: they are cached on disk (``cache=True``), so every rank then loads
     them instead of all ranks compiling at once under their cases' timeouts (a fresh clone
     starts with a cold cache). In a process of its own: where Numba is missing or fails, the

@@ -202,3 +202,45 @@ def close_to_reference(got, want, dtype) -> tuple[bool, float]:
     tiny_and_close = np.abs(got.astype(np.float64) - want) <= fp32_bound
     worst = int(ulps[~tiny_and_close].max()) if (~tiny_and_close).any() else 0
     return worst <= 1, worst
+
+
+# -- the 8-bit wire format, modelled in float64 (zero1_mpi.wire's arithmetic written anew) ------
+# Each fp32 operation of the format is done in float64 and rounded to fp32: for +, -, * and /
+# of fp32 values that is the correctly rounded fp32 result, so the model is exact.
+
+
+def _f32(a):
+    return np.asarray(a, np.float64).astype(np.float32).astype(np.float64)
+
+
+def int8_encode(x, residual=None, block=256):
+    """``(scales fp32, q int8, new residual in x's dtype or None)`` of the values ``x``."""
+    v = np.asarray(x).astype(np.float64)
+    if residual is not None:
+        v = _f32(v + np.asarray(residual).astype(np.float64))
+    scales, q, res = [], np.zeros(v.size, np.int8), np.zeros(v.size)
+    for lo in range(0, v.size, block):
+        vb = v[lo : lo + block]
+        if not np.isfinite(vb).all():
+            scales.append(np.nan)
+            continue  # q and the residual stay 0
+        scale = float(_f32(np.abs(vb).max() / 127.0))
+        scales.append(scale)
+        qb = np.zeros(vb.size) if scale == 0 else np.clip(np.rint(_f32(vb / scale)), -127, 127)
+        q[lo : lo + block] = qb
+        res[lo : lo + block] = _f32(vb - _f32(qb * scale))
+    new_residual = None if residual is None else res.astype(np.asarray(residual).dtype)
+    return np.array(scales, np.float32), q, new_residual
+
+
+def int8_decode(scales, q, block=256):
+    """The decoded values (fp32-exact, as float64)."""
+    return _f32(q.astype(np.float64) * np.repeat(scales.astype(np.float64), block)[: q.size])
+
+
+def int8_sum(rows, block=256):
+    """Rows of ``(scales, q)`` decoded and summed in row order, each sum rounded to fp32."""
+    total = int8_decode(*rows[0], block=block)
+    for scales, q in rows[1:]:
+        total = _f32(total + int8_decode(scales, q, block=block))
+    return total.astype(np.float32)

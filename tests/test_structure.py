@@ -89,15 +89,15 @@ def test_the_package_has_no_import_loop():
 LAYERS = (
     ("pure: stdlib, numpy", {"layout", "memory", "scaler", "progress", "launcher", "rule",
                              "rules.options", "watchdog", "views"}),
-    ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions"}),
-    ("the engine's parts", {"topology", "gathers", "buckets", "grad_shards", "gradients",
+    ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions", "wire"}),
+    ("the engine's parts", {"topology", "exchange", "gathers", "buckets", "grad_shards", "gradients",
                             "offload", "state", "step", "checkpoint", "export", "preemption",
                             "persistence", "options", "configure", "ledger", "nccl"}),
     ("the engine", {"engine"}),
     ("the optimizers", {"rules", "rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
     ("the package, bindings and tools", {"", "binding", "torch", "jax", "memory_tool",
-                                         "memory.__main__"}),
+                                         "memory.__main__", "plan"}),
 )
 
 

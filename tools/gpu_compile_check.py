@@ -232,10 +232,11 @@ def drive(recorder):
     parameters (fp32 gradients) and with 16-bit ones (gradients in the parameter dtype, as
     summed over ranks in it or on one rank, or fp32 after a 16-bit exchange summed in fp32);
     then the engine's reductions on every gradient dtype (LAMB's sums of squares of the fp32
-    masters come with it).
+    masters come with it), and the 8-bit wire codec on every dtype (with error feedback).
     """
     from zero1_mpi.reductions import reductions_for
     from zero1_mpi.rules.registry import builtin_rules
+    from zero1_mpi.wire import codec_for, packed_bytes
 
     cupy = recorder.cupy
     fp32 = np.dtype(np.float32)
@@ -268,6 +269,19 @@ def drive(recorder):
         case = f"the engine's reductions, {dtype.name}"
         try:
             reductions_for("cupy", N).sum_of_squares(fake_array(cupy, (N,), dtype))
+        except Exception as exc:  # noqa: BLE001
+            yield case, exc
+        else:
+            yield case, None
+    for dtype in backend.PARAM_DTYPES.values():
+        case = f"the 8-bit wire codec, {dtype.name}"
+        try:
+            codec, row = codec_for("cupy"), packed_bytes(N)
+            values, packed = fake_array(cupy, (N,), dtype), fake_array(cupy, (row,), np.uint8)
+            codec.encode(values, packed)
+            codec.encode(values, packed, fake_array(cupy, (N,), dtype))  # error feedback
+            codec.decode_sum(fake_array(cupy, (3, row), np.uint8), N, fake_array(cupy, (N,), fp32))
+            codec.decode_add(packed, fake_array(cupy, (N,), dtype))
         except Exception as exc:  # noqa: BLE001
             yield case, exc
         else:
@@ -388,7 +402,13 @@ class Generator:
         in_types, _, type_map = kernel._decide_params_type(
             tuple(a.dtype if isinstance(a, nd) else None for a in ins),
             tuple(a.dtype for a in outs))
-        n = self._shape([a for a in args if isinstance(a, nd)], kernel.name)
+        # ``raw`` arrays (indexed by the kernel itself) take no part in the launch's size
+        raw = [isinstance(a, nd) and p.raw for a, p in zip(args, kernel.params)]
+        n = self._shape([a for a, r in zip(args, raw) if isinstance(a, nd) and not r],
+                        kernel.name)
+        if any(r and a.ndim != 1 for a, r in zip(args, raw)):
+            raise ModelError(f"{kernel.name}: a raw argument of more than one dimension; the "
+                             "model knows 1-d ones")
         infos = [self.array(a) if isinstance(a, nd) else self.scalar(t)
                  for a, t in zip(ins, in_types)]
         infos += [self.array(a) for a in outs] + [self.indexer(1, n)]

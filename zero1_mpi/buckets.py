@@ -3,7 +3,7 @@ rank's shard as collectives in flight (in the spirit of Megatron-LM's bucket gro
 
 ``BucketPipeline`` holds the flat gradient buffer (the model writes ``grads[name]``, views of
 it) and a step's reductions: which tensors are ready, the reductions started (an in-place
-reduce-scatter, or for 16-bit gradients an ``Alltoall`` into a receive slot summed here in fp32),
+reduce-scatter, or an ``Alltoall`` of 16-bit or 8-bit rows summed here in fp32: ``exchange``),
 the reduced shards and their sums across shard groups (hierarchical sharding). Reductions start
 last bucket first, the order of a backward pass and the same on every rank. It is the
 ``gradients.GradientSource`` of ``shard_gradients=False``. Methods that start or complete
@@ -38,9 +38,10 @@ class BucketPipeline:
         xp, dtype: the array module (NumPy or CuPy) and the gradients' dtype (the parameters').
         topology: the shard groups (``topology.Topology``): reductions within ``shard_comm``,
             sums across ``replica_comm``; ``comm`` ends the job when a rank fails between them.
-        exchange_16bit: reduce 16-bit gradients by ``Alltoall`` and an fp32 sum here (else by
-            MPI's reduce-scatter in the gradients' dtype).
-        reductions: the engine's reductions (``reductions.reductions_for``), for that sum.
+        exchange: an ``exchange.GroupExchange`` (16-bit or 8-bit rows by ``Alltoall``, summed
+            here in fp32), or None (MPI's reduce-scatter in the gradients' dtype).
+        across: an ``exchange.AcrossGroups`` summing the reduced shards over the shard groups
+            (None: one group).
         watch: the ``Watchdog`` told where this rank waits (phase, bucket).
     """
 
@@ -50,23 +51,14 @@ class BucketPipeline:
     problem: str | None = None
     order_digest = 0
 
-    def __init__(
-        self, layout, xp, dtype, topology, exchange_16bit: bool, reductions, watch: Watchdog
-    ):
+    def __init__(self, layout, xp, dtype, topology, exchange, across, watch: Watchdog):
         self.layout, self.watch = layout, watch
         #: The flat gradient buffer; ``grads``: its views by name (what the model writes).
         self.buffer = grads = backend.zeros(xp, layout.total, dtype)
         self.grads: Mapping = Views(layout, grads)
         self._grads = grads
-        self._comm, self._replica_comm = topology.comm, topology.replica_comm
-        self._shard_comm = topology.shard_comm
-        self._reductions = reductions
-        # 16-bit exchanges land in receive slots; two let one bucket's sum run while the next
-        # bucket's exchange is in flight.
-        slots = min(2, len(layout.buckets)) if exchange_16bit else 0
-        self._received: Any = (
-            xp.empty((slots, max(b.size for b in layout.buckets)), dtype) if slots else None
-        )
+        self._comm, self._shard_comm = topology.comm, topology.shard_comm
+        self._exchange, self._across_groups = exchange, across
         self._tensor_buckets = {
             t.name: [
                 b.index
@@ -80,7 +72,8 @@ class BucketPipeline:
         ]
         self._new_round()
         # Persistent requests hold these buffers: free them when the pipeline goes.
-        self._release = weakref.finalize(self, self._shard_comm.close, [grads, self._received])
+        held = [grads, *(exchange.buffers if exchange else ())]
+        self._release = weakref.finalize(self, self._shard_comm.close, held)
 
     @property
     def started(self) -> tuple[int, ...]:
@@ -89,8 +82,15 @@ class BucketPipeline:
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the receive slots (16-bit exchanges only)."""
-        return 0 if self._received is None else self._received.nbytes
+        """Bytes of the exchange's slots and of the sums across groups."""
+        parts = (self._exchange, self._across_groups)
+        return sum(part.scratch_bytes for part in parts if part is not None)
+
+    @property
+    def feedback_bytes(self) -> int:
+        """Bytes of the error-feedback residuals (8-bit wire with ``error_feedback``)."""
+        parts = (self._exchange, self._across_groups)
+        return sum(p.quantizer.feedback_bytes for p in parts if p and p.quantizer)
 
     def ready(self, names) -> None:
         """``grads_ready``: check ``names`` (a usage error raises before any collective
@@ -193,7 +193,7 @@ class BucketPipeline:
         # bucket index -> its sum across the shard groups, in flight
         self._across: dict[int, Request] = {}
         self._slot_owner: list[int | None] = [None] * (
-            0 if self._received is None else len(self._received)
+            0 if self._exchange is None else self._exchange.slots
         )
 
     def _start_reduction(self, index: int) -> None:
@@ -205,16 +205,15 @@ class BucketPipeline:
         self._started_order.append(index)
         if self._shard_comm.size == 1:
             self._reduced[index] = grads
-        elif self._received is None:
+        elif self._exchange is None:
             self._in_flight[index] = (self._shard_comm.start_reduce_scatter(grads), None)
         else:
-            slot = index % len(self._received)
+            slot = index % self._exchange.slots
             owner = self._slot_owner[slot]
             if owner is not None:
                 self._finish_reduction(owner)
             self._slot_owner[slot] = index
-            received = self._received[slot, : bucket.size]
-            self._in_flight[index] = (self._shard_comm.start_alltoall(grads, received), slot)
+            self._in_flight[index] = (self._exchange.start(slot, grads, bucket.offset), slot)
 
     def _finish_reduction(self, index: int):
         """This rank's shard of bucket ``index``'s gradients, summed over ranks.
@@ -233,10 +232,9 @@ class BucketPipeline:
             reduced = self._shard_comm.reduced_block(grads)
         else:
             reduced = grads.view(FP32)[: bucket.shard_size]  # 2 x size bytes >= 4 x size / K
-            blocks = self._received[slot, : bucket.size].reshape(self._shard_comm.size, -1)
-            self._reductions.sum_blocks(blocks, reduced)
+            self._exchange.finish(slot, bucket.size, reduced)
             self._slot_owner[slot] = None
-        if self._replica_comm is not None:  # the group's sum, summed over its replicas
-            self._across[index] = self._replica_comm.start_allreduce(reduced)
+        if self._across_groups is not None:  # the group's sum, summed over its replicas
+            self._across[index] = self._across_groups.start(reduced, bucket.state.start)
         self._reduced[index] = reduced
         return reduced

@@ -43,9 +43,11 @@ class GradientShards:
         shard_dtype: the gradient shard's dtype (the parameters', or float32).
         topology: the shard groups (``topology.Topology``): reductions within ``shard_comm``,
             sums across ``replica_comm``; ``comm`` ends the job when a rank fails between them.
-        exchange_16bit: reduce 16-bit gradients by ``Alltoall`` and an fp32 sum here in rank
-            order, as stage 1 does (else MPI's reduce-scatter in the gradients' dtype).
-        reductions: the engine's reductions, for that sum.
+        exchange: an ``exchange.GroupExchange`` with ``slots`` receive slots (16-bit or 8-bit
+            rows by ``Alltoall``, summed here in fp32 in rank order, as stage 1 does), or None
+            (MPI's reduce-scatter in the gradients' dtype).
+        across: an ``exchange.AcrossGroups`` summing the shards over the shard groups (None:
+            one group).
         slots: the staging slots (at least 1).
         watch: the ``Watchdog`` told where this rank waits (phase, bucket).
     """
@@ -71,26 +73,23 @@ class GradientShards:
         param_dtype,
         shard_dtype,
         topology,
-        exchange_16bit: bool,
-        reductions,
+        exchange,
+        across,
         slots: int,
         watch: Watchdog,
     ):
         self.layout, self._xp, self.watch = layout, xp, watch
         self._world = topology.comm
-        self._comm, self._replica_comm = topology.shard_comm, topology.replica_comm
-        self._exchange, self._reductions = exchange_16bit, reductions
+        self._comm = topology.shard_comm
+        self._exchange, self._across_groups = exchange, across
         #: This rank's gradient shard (the gradients it holds): ``buffer`` too.
         self.shard = self.buffer = backend.zeros(xp, layout.shard_total, shard_dtype)
         largest = max(b.size for b in layout.buckets)
         count = max(1, min(slots, len(layout.buckets)))
         self._slots = xp.zeros((count, largest), param_dtype)
-        self._received: Any = xp.empty((count, largest), param_dtype) if exchange_16bit else None
-        # fp32 sums of a bucket's shard: the exchange's sum, or a 16-bit shard's sum across
-        # replicas (MPI has no bfloat16 sum)
-        needs_scratch = exchange_16bit or (self._replica_comm is not None and shard_dtype != FP32)
+        # the exchange's fp32 sum of a bucket's shard, added into a 16-bit or later shard
         self._scratch: Any = (
-            xp.empty(max(b.shard_size for b in layout.buckets), FP32) if needs_scratch else None
+            xp.empty(max(b.shard_size for b in layout.buckets), FP32) if exchange else None
         )
         self._tensors = {t.name: t for t in layout.tensors}
         self._bucket_tensors = [
@@ -104,7 +103,8 @@ class GradientShards:
                 self._tensor_buckets[name].append(bucket)
         self._new_step()
         # Persistent requests hold the slots: free them when this goes.
-        self._release = weakref.finalize(self, self._comm.close, [self._slots, self._received])
+        held = [self._slots, *(exchange.buffers if exchange else ())]
+        self._release = weakref.finalize(self, self._comm.close, held)
 
     def close(self) -> None:
         """Complete what is in flight (its gradients dropped) and free the persistent requests
@@ -115,10 +115,16 @@ class GradientShards:
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the staging slots and sums: a few buckets, whatever Ψ."""
-        return sum(
-            0 if a is None else a.nbytes for a in (self._slots, self._received, self._scratch)
-        )
+        """Bytes of the staging slots, the exchange and the sums: a few buckets, whatever Ψ."""
+        parts = (self._exchange, self._across_groups)
+        own = sum(0 if a is None else a.nbytes for a in (self._slots, self._scratch))
+        return own + sum(part.scratch_bytes for part in parts if part is not None)
+
+    @property
+    def feedback_bytes(self) -> int:
+        """Bytes of the error-feedback residuals (8-bit wire with ``error_feedback``)."""
+        parts = (self._exchange, self._across_groups)
+        return sum(p.quantizer.feedback_bytes for p in parts if p and p.quantizer)
 
     # -- hand-over -----------------------------------------------------------------------------
 
@@ -208,10 +214,10 @@ class GradientShards:
         while self._in_flight:
             self._finish(self._in_flight.popleft())
         shards = [self.shard[b.state] for b in self.layout.buckets]
-        if self._replica_comm is not None:
-            for index, shard in enumerate(shards):
-                self.watch.bucket = index
-                self._sum_across(shard)
+        if self._across_groups is not None:
+            for bucket, shard in zip(self.layout.buckets, shards):
+                self.watch.bucket = bucket.index
+                self._across_groups.sum(shard, bucket.state.start)
         return shards
 
     def zero(self) -> None:
@@ -297,8 +303,8 @@ class GradientShards:
         self._filled[index] = set()
         if self._comm.size == 1:
             request = None
-        elif self._exchange:
-            request = self._comm.start_alltoall(grads, self._received[slot, : bucket.size])
+        elif self._exchange is not None:
+            request = self._exchange.start(slot, grads, bucket.offset)
         else:
             request = self._comm.start_reduce_scatter(grads)
         self._in_flight.append((index, slot, request))
@@ -311,13 +317,12 @@ class GradientShards:
             self.watch.phase, self.watch.bucket = "reduce", index
             request.wait()
         shard, first = self.shard[bucket.state], not self._reduced[index]
-        if self._exchange:
-            blocks = self._received[slot, : bucket.size].reshape(self._comm.size, -1)
+        if self._exchange is not None:
             if first and shard.dtype == FP32:
-                self._reductions.sum_blocks(blocks, shard)  # stage 1's sum, bit for bit
+                self._exchange.finish(slot, bucket.size, shard)  # stage 1's sum, bit for bit
             else:
                 total = self._scratch[: bucket.shard_size]
-                self._reductions.sum_blocks(blocks, total)
+                self._exchange.finish(slot, bucket.size, total)
                 self._xp.add(total, shard, out=total, dtype=FP32)
                 shard[...] = total
         else:
@@ -332,14 +337,3 @@ class GradientShards:
                 self._xp.add(shard, block, out=shard, dtype=shard.dtype)
         self._reduced[index] += 1
         self._free.append(slot)
-
-    def _sum_across(self, shard) -> None:
-        """``shard`` = its sum over the replicas of this rank's shard (fp32 on the wire for a
-        16-bit shard, as MPI has no bfloat16 sum)."""
-        if shard.dtype == FP32 or shard.dtype == np.float16:
-            self._replica_comm.allreduce_inplace(shard)
-            return
-        total = self._scratch[: shard.size]
-        total[...] = shard
-        self._replica_comm.allreduce_inplace(total)
-        shard[...] = total

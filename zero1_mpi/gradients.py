@@ -18,8 +18,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from .buckets import BucketPipeline
+from .exchange import FP32, AcrossGroups, GroupExchange, Quantizer
 from .grad_shards import GradientShards
+from .reductions import resolve_cpu_kernel
 from .watchdog import Watchdog
+from .wire import codec_for
 
 __all__ = ["GradientSource", "gradient_source"]
 
@@ -40,6 +43,11 @@ class GradientSource(Protocol):
 
     @property
     def scratch_bytes(self) -> int: ...
+
+    @property
+    def feedback_bytes(self) -> int:
+        """Bytes of the error-feedback residuals (0 without ``error_feedback``)."""
+        ...
 
     def ready(self, names) -> None:
         """Declare ``names``' gradients final (starting reductions), or refuse."""
@@ -63,20 +71,52 @@ class GradientSource(Protocol):
 
 
 def gradient_source(options, layout, xp, topology, reductions, watch: Watchdog) -> GradientSource:
-    """The gradient source of the checked ``options`` (``options.EngineOptions``)."""
-    mixed = options.param_dtype != np.float32
-    # 16-bit gradients summed in fp32: exchanged whole and summed here, in rank order
-    exchange = mixed and options.reduce_dtype == "float32" and topology.group_size > 1
+    """The gradient source of the checked ``options`` (``options.EngineOptions``), with the
+    wire format they ask for (``exchange``)."""
+    dtype, k = options.param_dtype, topology.group_size
+    int8 = options.reduce_dtype == "int8"
+    kind = "cupy" if xp is not np else resolve_cpu_kernel()
+    largest = max(b.size for b in layout.buckets)
+    slots = min(options.grad_staging if options.shard_gradients else 2, len(layout.buckets))
+    exchange = None
+    # 16-bit gradients summed in fp32, and 8-bit ones: exchanged whole and summed here
+    within_int8 = int8 and options.compress_hops == "all"
+    if k > 1 and (within_int8 or (dtype != FP32 and options.reduce_dtype != "float16")):
+        quantizer = (
+            Quantizer(
+                codec_for(kind, largest // k), xp, layout.total, dtype, options.error_feedback
+            )
+            if within_int8
+            else None
+        )
+        exchange = GroupExchange(
+            topology.shard_comm, xp, slots, largest, dtype, reductions, quantizer
+        )
+    across = None
+    if topology.replica_comm is not None:
+        if options.shard_gradients:
+            shard_dtype = options.grad_shard_dtype
+        else:
+            shard_dtype = FP32 if exchange is not None else dtype
+        shard = max(b.shard_size for b in layout.buckets)
+        quantizer = (
+            Quantizer(
+                codec_for(kind, shard), xp, layout.shard_total, shard_dtype, options.error_feedback
+            )
+            if int8
+            else None
+        )
+        across = AcrossGroups(topology.replica_comm, xp, shard, shard_dtype, quantizer)
     if options.shard_gradients:
         return GradientShards(
             layout,
             xp,
-            options.param_dtype,
+            dtype,
             options.grad_shard_dtype,
             topology,
             exchange,
-            reductions,
+            across,
             options.grad_staging,
             watch,
         )
-    return BucketPipeline(layout, xp, options.param_dtype, topology, exchange, reductions, watch)
+    return BucketPipeline(layout, xp, dtype, topology, exchange, across, watch)

@@ -59,4 +59,5 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         host_scratch=host_scratch + staged_on_host,
         grad_shard_dtype=grads.dtype.name if gradients.sharded else None,
         checkpoint_buffer=persistence.snapshot_bytes,
+        error_feedback=gradients.feedback_bytes,
     )

@@ -43,7 +43,8 @@ __all__ = [
     "REDUCE_DTYPES",
 ]
 
-REDUCE_DTYPES = ("float32", "float16")
+REDUCE_DTYPES = ("float32", "float16", "int8")
+COMPRESS_HOPS = ("all", "across")
 #: Staging buckets of stage 2: one bucket filling while the one before it is reduced (the
 #: order of a backward pass); a bucket waiting for a late tensor holds one the while.
 DEFAULT_STAGING = 2
@@ -92,8 +93,8 @@ def _reduce_dtype(value, checked):
         name = None
     if name not in REDUCE_DTYPES:
         raise ValueError(
-            f"reduce_dtype={value!r} is not supported: use 'float32' (default) or "
-            "'float16' (float16 parameters only)"
+            f"reduce_dtype={value!r} is not supported: use 'float32' (default), 'int8' "
+            "(8-bit blocks on the wire) or 'float16' (float16 parameters only)"
         )
     dtype = checked["param_dtype"]
     if name == "float16" and dtype != np.float16:
@@ -102,6 +103,48 @@ def _reduce_dtype(value, checked):
             f"{dtype.name}: use reduce_dtype='float32'"
         )
     return name
+
+
+def _compress_hops(value, checked):
+    if value not in COMPRESS_HOPS:
+        raise ValueError(
+            f"compress_hops={value!r} is not understood: use 'all' (every hop of the "
+            "reduction in 8 bits) or 'across' (only the sum across shard groups)"
+        )
+    if value == "across" and checked["reduce_dtype"] != "int8":
+        raise ValueError(
+            f"compress_hops='across' chooses which hops reduce_dtype='int8' compresses, but "
+            f"reduce_dtype is {checked['reduce_dtype']!r}: pass reduce_dtype='int8' too"
+        )
+    return value
+
+
+def _error_feedback(value, checked):
+    if not isinstance(value, bool):
+        raise ValueError(f"error_feedback={value!r} must be True or False")
+    if value and checked["reduce_dtype"] != "int8":
+        raise ValueError(
+            "error_feedback=True keeps what 8-bit quantizing drops, but reduce_dtype is "
+            f"{checked['reduce_dtype']!r}: pass reduce_dtype='int8' too, or drop it"
+        )
+    return value
+
+
+def _gather_dtype(value, checked):
+    if value is None:
+        return None
+    if value != "int8":
+        raise ValueError(
+            f"gather_dtype={value!r} is not understood: use None (the parameters' dtype) "
+            "or 'int8' (each step's change in 8-bit blocks)"
+        )
+    if checked["param_dtype"] == np.float32:
+        raise ValueError(
+            "gather_dtype='int8' needs 16-bit parameters (fp32 masters apart from them), "
+            "but param_dtype is float32, whose shard is its own master: pass "
+            "param_dtype='bfloat16' or 'float16', or drop gather_dtype"
+        )
+    return value
 
 
 def _bucket_elements(value, checked):
@@ -119,7 +162,14 @@ def _cuda_aware(value, checked):
 
 def _shard_group_size(value, checked):
     comm = checked["comm"]
-    return resolve_shard_group_size(value, comm.size, checked["node"], comm)
+    k = resolve_shard_group_size(value, comm.size, checked["node"], comm)
+    if checked["compress_hops"] == "across" and k == comm.size:
+        raise ValueError(
+            f"compress_hops='across' compresses the sum across shard groups, but "
+            f"shard_group_size={value!r} makes one group of all {comm.size} ranks: pass "
+            "shard_group_size='node' (or K < N), or compress_hops='all'"
+        )
+    return k
 
 
 def _offload(value, checked):
@@ -127,6 +177,11 @@ def _offload(value, checked):
         raise ValueError(
             f"offload={value!r} is not understood: use 'cpu' (master weights and "
             "the rule's state on the host) or None (all on the parameters' device)"
+        )
+    if value is not None and checked["gather_dtype"] is not None:
+        raise ValueError(
+            f"offload={value!r} with gather_dtype={checked['gather_dtype']!r} is not "
+            "supported yet: choose one"
         )
     return value
 
@@ -221,7 +276,38 @@ OPTIONS = (
         "``Reduce_scatter_block``, 16-bit ones exchanged with ``Alltoall`` and summed "
         "locally in fp32 in rank order (deterministic; MPI has no bf16 type). "
         "``'float16'`` (float16 gradients only): MPI's own fp16 sum, slower with MPICH, "
-        "rounded at every partial sum and able to overflow before the division by N.",
+        "rounded at every partial sum and able to overflow before the division by N. "
+        "``'int8'``: blockwise symmetric 8-bit values with an fp32 scale per 256 "
+        "(``zero1_mpi.wire``), about half of 16-bit's bytes, decoded and summed in fp32 in "
+        "rank order (deterministic); see ``compress_hops`` and ``error_feedback``.",
+    ),
+    Option(
+        "compress_hops",
+        "str",
+        "all",
+        _compress_hops,
+        doc="with ``reduce_dtype='int8'`` and hierarchical sharding: ``'all'`` (every hop of "
+        "the reduction in 8 bits) or ``'across'`` (only the sum across shard groups, where "
+        "the link between nodes is; within a group as ``'float32'``).",
+    ),
+    Option(
+        "error_feedback",
+        "bool",
+        False,
+        _error_feedback,
+        doc="with ``reduce_dtype='int8'``: keep what quantizing drops and add it to the next "
+        "step's gradients (a residual of the gradients' dtype for each compressed hop: Ψ "
+        "values within the group, Ψ/K across; ``memory_report().error_feedback``).",
+    ),
+    Option(
+        "gather_dtype",
+        "str | None",
+        None,
+        _gather_dtype,
+        doc="how the parameters travel in the all-gather: None (the parameters' dtype) or "
+        "``'int8'`` (16-bit parameters: each step's change in 8-bit blocks, added to every "
+        "rank's copy alike, so that the copies stay identical and within a bound of the "
+        "fp32 masters' rounding that does not grow with the steps; docs/performance.md).",
     ),
     Option(
         "bucket_elements",
@@ -401,10 +487,19 @@ def describe(opt) -> str:
     stage = (
         "stage 2, grad_shard_dtype=" + o.grad_shard_dtype.name if o.shard_gradients else "stage 1"
     )
+    wire = "".join(
+        f", {name}={getattr(o, name)!r}"
+        for name, plain in (
+            ("compress_hops", "all"),
+            ("error_feedback", False),
+            ("gather_dtype", None),
+        )
+        if getattr(o, name) != plain
+    )
     lines = [
         f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={n}, shard_group_size="
         f"{k} ({n // k} replicas), {stage}, param_dtype={o.param_dtype.name}, "
-        f"reduce_dtype={o.reduce_dtype}, offload={o.offload!r})"
+        f"reduce_dtype={o.reduce_dtype}{wire}, offload={o.offload!r})"
     ]
     for index, group in enumerate(opt.param_groups):
         lines.append(f"Parameter Group {index} ({len(group['names'])} tensors)")

@@ -1,8 +1,33 @@
 """The communication model: ``zero1-plan --params 25M --ranks 4 --ranks-per-node 2 --bandwidth
 1gbit`` (or ``python -m zero1_mpi.plan``), to choose a sharding and a wire format before queueing.
 
-``plan`` gives, for Ψ parameters on N ranks placed by node (ranks 0..p-1 on node 0, ...), shard
-groups of K consecutive ranks (flat: K = N; ``"node"``: K = p) and R = N/K replicas, the
+``plan(...)`` gives, for Ψ parameters on N ranks placed by node, the collectives of one step
+(the gradients' reduction within the shard groups, their sum across the groups, the parameters'
+all-gather, the agreement), each with its bytes, the bytes that cross between nodes, its ring
+bound and link time, and the memory per rank; ``compare`` tabulates the wire choices. The
+algorithms assumed are MPICH's for large messages (``MODEL``). Bytes and seconds; rates in
+bits/s. Stdlib only: no numpy, no MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections import Counter, defaultdict
+from typing import NoReturn
+
+from .layout import DEFAULT_BUCKET_ELEMENTS
+from .memory import format_param_count, parse_param_count, stage_bytes
+
+__all__ = ["plan", "compare", "packed_bytes", "parse_rate", "parse_seconds", "main"]
+
+#: What is modelled, in full.
+MODEL = """
+``plan`` gives, for Ψ parameters on N ranks placed by node (ranks 0..p-1 on node 0, ...),
+shard groups of K consecutive ranks (flat: K = N; ``"node"``: K = p) and R = N/K replicas, the
 collectives of one step, which the engine runs one after another (stages 1 and 2 alike; stage 2
 repeats the first per micro-batch):
 
@@ -30,21 +55,6 @@ formula of ``zero1_mpi.memory`` with the state over K, plus error feedback's res
 gradients' dtype, for each compressed hop: Ψ values within the group, Ψ/K across). All
 numbers are bytes and seconds; rates are bits/s. Stdlib only: no numpy, no MPI.
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import math
-import re
-import sys
-from collections import Counter, defaultdict
-from typing import NoReturn
-
-from .layout import DEFAULT_BUCKET_ELEMENTS
-from .memory import format_param_count, parse_param_count, stage_bytes
-
-__all__ = ["plan", "compare", "packed_bytes", "parse_rate", "parse_seconds", "main"]
 
 #: Values per int8 scale (``zero1_mpi.wire.BLOCK``).
 BLOCK = 256

@@ -20,7 +20,7 @@ from typing import Any, cast
 import numpy as np
 
 from . import backend
-from .gathers import ParamGathers
+from .gathers import ParamGathers, param_gathers
 from .offload import HostShard, ThreadedKernel, each_tensor_sums
 from .reductions import resolve_cpu_kernel
 from .views import Views
@@ -44,16 +44,22 @@ class ShardedState:
     #: Where the master weights and the rule's state live: with the parameters.
     on_host = False
 
-    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None):
+    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, options=None):
         self.layout, self.topology, self.rule, self.dtype = layout, topology, rule, dtype
         self.shard_rank, self.watch, self._xp = topology.shard_rank, watch, xp
         self.mixed = dtype != FP32
         #: The flat parameter buffer (every rank's full copy); ``params``: its views by name.
         self.flat = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
         self.params: Mapping = Views(layout, self.flat, before_read)
-        self.gathers = ParamGathers(layout, self.flat, topology.shard_comm, watch)
         largest = max(b.shard_size for b in layout.buckets)
         self._allocate(layout.shard_total, largest)
+        self.gathers: ParamGathers = (
+            ParamGathers(layout, self.flat, topology.shard_comm, watch)
+            if options is None
+            else param_gathers(
+                options, layout, self.flat, topology.shard_comm, watch, xp, self.kernel_kind
+            )
+        )
         self._pieces: list[list[tuple[int, int, int, int]]] | None = (
             [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
             if rule.tensor_sums
@@ -152,7 +158,7 @@ class ShardedState:
 
     def scratch_bytes(self) -> tuple[int, int]:
         """Bytes held for the update beside the arrays: ``(with the parameters, on the host)``."""
-        return self.kernel.scratch_bytes, 0
+        return self.kernel.scratch_bytes + self.gathers.scratch_bytes, 0
 
     def wait(self) -> None:
         """Complete the all-gathers in flight."""
@@ -184,7 +190,7 @@ class ShardedState:
         st = slice(bucket.state.start + a, bucket.state.start + b)
         states = [state[st] for state in self.state.values()]
         if self.mixed:
-            return self.master[st], states, self.flat[lo + a : lo + b]
+            return self.master[st], states, self.gathers.target(bucket)[a:b]
         return self.flat[lo + a : lo + b], states, None
 
     # -- internals ---------------------------------------------------------------------------
@@ -239,7 +245,7 @@ class HostState(ShardedState):
     on_host = True
 
     def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, *, threads: int):
-        self._threads = threads
+        self._threads = threads  # (gather_dtype is refused with offload: plain gathers)
         super().__init__(layout, topology, rule, dtype, xp, watch, before_read)
 
     def _allocate(self, n: int, largest: int) -> None:
@@ -297,4 +303,6 @@ def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> Sh
             before_read,
             threads=options.offload_threads,
         )
-    return ShardedState(layout, topology, rule, options.param_dtype, xp, watch, before_read)
+    return ShardedState(
+        layout, topology, rule, options.param_dtype, xp, watch, before_read, options
+    )

@@ -270,6 +270,7 @@ _BYTE_FIELDS = (
     "host_padding",
     "host_scratch",
     "checkpoint_buffer",
+    "error_feedback",
 )
 
 
@@ -294,6 +295,8 @@ class MemoryReport:
     real elements this rank owns); None: the full gradient buffer (stage 1).
     ``checkpoint_buffer``: the host copy of this rank's shard that non-blocking saves
     (``save(..., blocking=False)``) write from, once one has run (0 before).
+    ``error_feedback``: the residuals of ``reduce_dtype="int8"`` with ``error_feedback=True``
+    (what quantizing dropped, carried to the next step), where the gradients live.
     """
 
     parameters: int
@@ -312,6 +315,7 @@ class MemoryReport:
     host_scratch: int = 0
     grad_shard_dtype: str | None = None
     checkpoint_buffer: int = 0
+    error_feedback: int = 0
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
@@ -471,6 +475,8 @@ class MemoryReport:
             for name in _BYTE_FIELDS[3 : 8 if split else 5] + ("total",)
             if name != "checkpoint_buffer" or self.checkpoint_buffer
         ]
+        if self.error_feedback:
+            rows.insert(-1, ("error_feedback", self.error_feedback))
         if split:
             rows += [("device", self.device_bytes), ("host", self.host_bytes)]
         for name, value in rows:
@@ -488,7 +494,8 @@ class MemoryReport:
             lines.append(
                 f"  {'difference':<16}{diff:>14.0f}{diff / mib:>11.2f}"
                 f"  (total - formula: padding + scratch"
-                f"{' + checkpoint buffer' if self.checkpoint_buffer else ''})"
+                f"{' + checkpoint buffer' if self.checkpoint_buffer else ''}"
+                f"{' + error feedback' if self.error_feedback else ''})"
             )
         return "\n".join(lines)
 

@@ -1,0 +1,390 @@
+"""The 8-bit wire format: blockwise symmetric int8 with one fp32 scale per block, in three twins.
+
+A row of ``n`` values travels as ``packed_bytes(n)`` bytes: the fp32 scales of its ``BLOCK``-value
+blocks, then the int8 values. In fp32 (the float64 model of ``tests/reference.py`` repeats it):
+``encode``: ``v = x (+ residual)``, per block ``scale = max|v| / 127``, ``q = clip(rint(v /
+scale), ±127)`` (0 for a zero scale), ``residual = v - q * scale`` in its dtype; a block holding
+inf or nan gets the scale nan (q and residual 0), so it decodes to nan. ``decode_sum``: rows
+decoded and added in row order; ``decode_add``: ``target + decoded`` rounded to its dtype.
+``codec_for(kind, largest)``: the NumPy, Numba or CuPy twin, the same bits (CuPy flushes fp32
+subnormals, as all its kernels here); scratch allocated once. ``BLOCK``: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from . import backend
+from .kernels_numba import (
+    BF16,
+    CHUNK,
+    FP16_TABLE,
+    FP32,
+    compile_marked,
+    encoding,
+    jit,
+    narrow_bf16,
+    narrow_f16,
+    widen,
+)
+
+__all__ = [
+    "BLOCK",
+    "LEVELS",
+    "packed_bytes",
+    "split_packed",
+    "codec_for",
+    "NumpyCodec",
+    "NumbaCodec",
+    "CupyCodec",
+]
+
+#: Values per scale.
+BLOCK = 256
+#: The largest quantized magnitude (symmetric: -127 .. 127).
+LEVELS = 127
+F32 = np.float32
+#: Elements per NumPy pass (a multiple of ``BLOCK``): the fp32 scratch stays in cache.
+NUMPY_CHUNK = 1 << 16
+
+
+def packed_bytes(n: int, block: int = BLOCK) -> int:
+    """Bytes of a packed row of ``n`` values: ``4 * ceil(n / block)`` + ``n`` rounded up to 4."""
+    return 4 * -(-n // block) + -(-n // 4) * 4
+
+
+def split_packed(packed, n: int, block: int = BLOCK):
+    """``(scales, q)``: the fp32 scales and the ``n`` int8 values of the byte row ``packed``."""
+    blocks = -(-n // block)
+    return packed[: 4 * blocks].view(F32), packed[4 * blocks : 4 * blocks + n].view(np.int8)
+
+
+def codec_for(kind: str, largest: int = NUMPY_CHUNK):
+    """The codec of the kernel family ``kind``; ``largest``: the most values one call sees."""
+    if kind == "cupy":
+        return CupyCodec()
+    if kind == "numba":
+        return NumbaCodec(largest)
+    return NumpyCodec(largest)
+
+
+class NumpyCodec:
+    """The NumPy twin, a chunk of ``NUMPY_CHUNK`` values at a time."""
+
+    block = BLOCK
+
+    def __init__(self, largest: int = NUMPY_CHUNK):
+        size = max(BLOCK, min(-(-largest // BLOCK) * BLOCK, NUMPY_CHUNK))
+        self._v, self._w = np.empty(size, F32), np.empty(size, F32)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._v.nbytes + self._w.nbytes
+
+    def encode(self, x, packed, residual=None) -> None:
+        """Quantize ``x`` (fp32, bf16 or fp16) into the byte row ``packed``; with ``residual``
+        (``x``'s dtype and size), add it first and leave there what quantizing dropped."""
+        scales, q = split_packed(packed, x.size)
+        for start in range(0, x.size, self._v.size):
+            stop = min(x.size, start + self._v.size)
+            v, w = self._v[: stop - start], self._w[: stop - start]
+            np.copyto(v, x[start:stop], casting="unsafe")
+            if residual is not None:
+                np.copyto(w, residual[start:stop], casting="unsafe")
+                np.add(v, w, out=v)
+            s = scales[start // BLOCK : -(-stop // BLOCK)]
+            bad = _block_scales(v, s)
+            _per_value(s, v, np.divide, w, zero_for=bad)  # w = v / scale (0: a zero block)
+            np.rint(w, out=w)
+            np.clip(w, -LEVELS, LEVELS, out=w)
+            q[start:stop] = w
+            if residual is not None:
+                _per_value(s, w, np.multiply, w)  # w = q * scale
+                np.subtract(v, w, out=v)
+                _zero_blocks(v, bad)
+                residual[start:stop] = v
+
+    def decode_sum(self, rows, n: int, out) -> None:
+        """``out`` (fp32, ``n``) = the sum of the byte rows ``rows`` decoded, in row order."""
+        for start in range(0, n, self._v.size):
+            stop = min(n, start + self._v.size)
+            total, w = out[start:stop], self._w[: stop - start]
+            for r in range(rows.shape[0]):
+                scales, q = split_packed(rows[r], n)
+                target = total if r == 0 else w
+                np.copyto(target, q[start:stop], casting="unsafe")
+                _per_value(scales[start // BLOCK : -(-stop // BLOCK)], target, np.multiply, target)
+                if r:
+                    np.add(total, w, out=total)
+
+    def decode_add(self, packed, target) -> None:
+        """``target`` (fp32, bf16 or fp16) = ``target + decoded``, rounded to its dtype."""
+        n = target.size
+        scales, q = split_packed(packed, n)
+        for start in range(0, n, self._v.size):
+            stop = min(n, start + self._v.size)
+            v, w = self._v[: stop - start], self._w[: stop - start]
+            np.copyto(w, q[start:stop], casting="unsafe")
+            _per_value(scales[start // BLOCK : -(-stop // BLOCK)], w, np.multiply, w)
+            np.copyto(v, target[start:stop], casting="unsafe")
+            np.add(v, w, out=v)
+            target[start:stop] = v
+
+
+def _blocks(values):
+    """``(full, tail)``: the whole blocks of ``values`` as rows of ``BLOCK``, and the rest."""
+    full = values.size // BLOCK * BLOCK
+    return values[:full].reshape(-1, BLOCK), values[full:]
+
+
+def _block_scales(v, scales):
+    """``scales`` = each block's ``max |v| / 127`` (nan where a value is not finite); returns
+    which blocks are bad (nan scale)."""
+    amax = np.maximum.reduceat(np.abs(v), np.arange(0, v.size, BLOCK))
+    bad = ~np.isfinite(amax)
+    np.divide(amax, F32(LEVELS), out=scales)
+    scales[bad] = np.nan
+    return bad
+
+
+def _per_value(scales, values, op, out, zero_for=None):
+    """``out = op(values, scale of each value's block)``; with ``zero_for`` (bad blocks),
+    0 where the scale is 0 or bad."""
+    if zero_for is not None:
+        divisor = np.where(zero_for | (scales == 0), F32(1), scales)
+        full_v, tail_v = _blocks(values)
+        full_o, tail_o = _blocks(out)
+        op(full_v, divisor[: full_v.shape[0], None], out=full_o)
+        if tail_v.size:
+            op(tail_v, divisor[-1], out=tail_o)
+        _zero_blocks(out, zero_for)
+        return
+    full_v, tail_v = _blocks(values)
+    full_o, tail_o = _blocks(out)
+    op(full_v, scales[: full_v.shape[0], None], out=full_o)
+    if tail_v.size:
+        op(tail_v, scales[-1], out=tail_o)
+
+
+def _zero_blocks(values, bad) -> None:
+    """0 in the blocks of ``values`` marked ``bad``."""
+    for index in np.flatnonzero(bad):
+        values[index * BLOCK : (index + 1) * BLOCK] = 0
+
+
+# -- the Numba twin: per block, widened into fp32 scratch; 16-bit values as bit patterns -----
+
+
+@jit
+def _encode(x32, x16, kind, res32, res16, feedback, table, v, w, scales, q):
+    n = x32.size if kind == FP32 else x16.size
+    for b in range((n + BLOCK - 1) // BLOCK):
+        lo, hi = b * BLOCK, min(n, (b + 1) * BLOCK)
+        vb, wb = v[: hi - lo], w[: hi - lo]
+        if kind == FP32:
+            vb[:] = x32[lo:hi]
+        else:
+            widen(x16[lo:hi], kind, table, vb)
+        if feedback:
+            if kind == FP32:
+                wb[:] = res32[lo:hi]
+            else:
+                widen(res16[lo:hi], kind, table, wb)
+            for i in range(hi - lo):
+                vb[i] = vb[i] + wb[i]
+        amax, bad = np.float32(0), False
+        for i in range(hi - lo):
+            a = abs(vb[i])
+            if not a <= np.float32(3.4028234663852886e38):
+                bad = True
+            elif a > amax:
+                amax = a
+        scale = np.float32(np.nan) if bad else amax / np.float32(LEVELS)
+        scales[b] = scale
+        for i in range(hi - lo):
+            if bad or scale == np.float32(0):
+                qi = np.float32(0)
+            else:
+                qi = min(max(np.rint(vb[i] / scale), np.float32(-LEVELS)), np.float32(LEVELS))
+            q[lo + i] = np.int8(qi)
+            vb[i] = np.float32(0) if bad else vb[i] - qi * scale
+        if feedback:
+            if kind == FP32:
+                res32[lo:hi] = vb
+            elif kind == BF16:
+                narrow_bf16(vb, res16[lo:hi])
+            else:
+                narrow_f16(vb, res16[lo:hi])
+
+
+@jit
+def _decode_sum(q, scales, n, out):
+    rows = q.shape[0]
+    for i in range(n):
+        out[i] = np.float32(q[0, i]) * scales[0, i // BLOCK]
+    for r in range(1, rows):
+        for i in range(n):
+            out[i] = out[i] + np.float32(q[r, i]) * scales[r, i // BLOCK]
+
+
+@jit
+def _decode_add(q, scales, t32, t16, kind, table, v):
+    n = q.size
+    for lo in range(0, n, v.size):
+        hi = min(n, lo + v.size)
+        vb = v[: hi - lo]
+        if kind == FP32:
+            vb[:] = t32[lo:hi]
+        else:
+            widen(t16[lo:hi], kind, table, vb)
+        for i in range(hi - lo):
+            vb[i] = vb[i] + np.float32(q[lo + i]) * scales[(lo + i) // BLOCK]
+        if kind == FP32:
+            t32[lo:hi] = vb
+        elif kind == BF16:
+            narrow_bf16(vb, t16[lo:hi])
+        else:
+            narrow_f16(vb, t16[lo:hi])
+
+
+_NO32, _NO16 = np.empty(0, F32), np.empty(0, np.uint16)
+
+
+def _split(array):
+    """``(fp32 array, 16-bit patterns, encoding)``, the unused one empty."""
+    if array is None:
+        return _NO32, _NO16
+    return (array, _NO16) if encoding(array) == FP32 else (_NO32, array.view(np.uint16))
+
+
+class NumbaCodec:
+    """The compiled twin: the bits of ``NumpyCodec``."""
+
+    block = BLOCK
+
+    def __init__(self, largest: int = CHUNK):
+        compile_marked(globals())
+        self._v, self._w = np.empty(BLOCK, F32), np.empty(BLOCK, F32)
+        self._add = np.empty(max(BLOCK, min(largest, CHUNK)), F32)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._v.nbytes + self._w.nbytes + self._add.nbytes
+
+    def encode(self, x, packed, residual=None) -> None:
+        scales, q = split_packed(packed, x.size)
+        x32, x16 = _split(x)
+        r32, r16 = _split(residual)
+        _encode(x32, x16, encoding(x), r32, r16, residual is not None, FP16_TABLE,
+                self._v, self._w, scales, q)  # fmt: skip
+
+    def decode_sum(self, rows, n: int, out) -> None:
+        blocks = -(-n // BLOCK)
+        scales = rows[:, : 4 * blocks].view(F32)
+        q = rows[:, 4 * blocks : 4 * blocks + n].view(np.int8)
+        _decode_sum(q, scales, n, out)
+
+    def decode_add(self, packed, target) -> None:
+        scales, q = split_packed(packed, target.size)
+        t32, t16 = _split(target)
+        _decode_add(q, scales, t32, t16, encoding(target), FP16_TABLE, self._add)
+
+
+# -- the CuPy twin: a thread per block for the scales, a thread per value for the rest; products
+# and sums rounded one at a time (__fmul_rn, __fadd_rn: no fused multiply-add), as on the CPU ---
+
+_SCALES = r"""
+    long long lo = i * block, hi = min(lo + block, n);
+    float amax = 0.0f;
+    bool bad = false;
+    for (long long j = lo; j < hi; ++j) {
+        float a = fabsf(VALUE(j));
+        if (!(a <= 3.402823466e+38f)) bad = true; else amax = fmaxf(amax, a);
+    }
+    scale = bad ? __int_as_float(0x7fc00000) : amax / 127.0f;
+"""
+_QUANTIZE = r"""
+    float s = scales[i / block];
+    float v = VALUE;
+    bool bad = isnan(s);
+    float qi = (bad || s == 0.0f) ? 0.0f : fminf(fmaxf(rintf(v / s), -127.0f), 127.0f);
+    q = (signed char)qi;
+    FEEDBACK
+"""
+_DECODE_SUM = r"""
+    float total = 0.0f;
+    for (int r = 0; r < rows; ++r) {
+        const unsigned char* row = &packed[r * row_bytes];
+        float v = __fmul_rn((float)((const signed char*)(row + 4 * blocks))[i],
+                            ((const float*)row)[i / block]);
+        total = r == 0 ? v : __fadd_rn(total, v);
+    }
+    out = total;
+"""
+_DECODE_ADD = r"""
+    target = (T)__fadd_rn((float)target, __fmul_rn((float)q, scales[i / block]));
+"""
+
+
+class CupyCodec:
+    """The CuPy twin: ``ElementwiseKernel``s on the current stream."""
+
+    block = BLOCK
+    scratch_bytes = 0
+    _kernels: ClassVar[dict] = {}
+
+    @staticmethod
+    def _kernel(name, params, out, body):
+        if name not in CupyCodec._kernels:
+            cp = backend.xp_for("cupy")
+            CupyCodec._kernels[name] = backend.ExplainedKernel(
+                cp.ElementwiseKernel(params, out, body, name)
+            )
+        return CupyCodec._kernels[name]
+
+    def encode(self, x, packed, residual=None) -> None:
+        scales, q = split_packed(packed, x.size)
+        if residual is None:
+            self._kernel(
+                "zero1_int8_scales",
+                "raw X x, int64 n, int64 block",
+                "float32 scale",
+                _SCALES.replace("VALUE(j)", "(float)x[j]"),
+            )(x, x.size, BLOCK, scales)
+            self._kernel(
+                "zero1_int8_quantize",
+                "X x, raw float32 scales, int64 block",
+                "int8 q",
+                _QUANTIZE.replace("VALUE", "(float)x").replace("FEEDBACK", ""),
+            )(x, scales, BLOCK, q)
+            return
+        self._kernel(
+            "zero1_int8_scales_feedback",
+            "raw X x, raw X residual, int64 n, int64 block",
+            "float32 scale",
+            _SCALES.replace("VALUE(j)", "__fadd_rn((float)x[j], (float)residual[j])"),
+        )(x, residual, x.size, BLOCK, scales)
+        self._kernel(
+            "zero1_int8_quantize_feedback",
+            "X x, raw float32 scales, int64 block",
+            "int8 q, X residual",
+            _QUANTIZE.replace("VALUE", "__fadd_rn((float)x, (float)residual)").replace(
+                "FEEDBACK", "residual = (X)(bad ? 0.0f : __fsub_rn(v, __fmul_rn(qi, s)));"
+            ),
+        )(x, scales, BLOCK, q, residual)
+
+    def decode_sum(self, rows, n: int, out) -> None:
+        self._kernel(
+            "zero1_int8_decode_sum",
+            "raw uint8 packed, int32 rows, int64 row_bytes, int64 blocks, int64 block",
+            "float32 out", _DECODE_SUM,
+        )(rows.reshape(-1), rows.shape[0], rows.shape[1], -(-n // BLOCK), BLOCK, out)  # fmt: skip
+
+    def decode_add(self, packed, target) -> None:
+        scales, q = split_packed(packed, target.size)
+        self._kernel(
+            "zero1_int8_decode_add", "int8 q, raw float32 scales, int64 block", "T target",
+            _DECODE_ADD,
+        )(q, scales, BLOCK, target)  # fmt: skip
