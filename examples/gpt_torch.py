@@ -72,6 +72,13 @@ parser.add_argument("--schedule", default="constant", choices=["constant", "cosi
 parser.add_argument("--warmup", type=int, default=20, help="warm-up steps of --schedule cosine")
 parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="parameters and gradients (the master weights are fp32 either way)")
+parser.add_argument("--reduce-dtype", default="float32", choices=["float32", "int8"],
+                    help="the gradients on the wire: 16-bit summed in fp32, or 8-bit blocks")
+parser.add_argument("--gather-dtype", default=None, choices=["int8"],
+                    help="the parameters' all-gather in 8-bit blocks (default: their dtype)")
+parser.add_argument("--error-feedback", action="store_true",
+                    help="with --reduce-dtype int8: carry what quantizing drops to the next step")
+parser.add_argument("--losses", metavar="FILE", help="write every step's loss (JSON), rank 0")
 parser.add_argument("--reference", default="none", choices=["none", "ddp", "fused"])
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 parser.add_argument("--checkpoint", help="directory to save sharded checkpoints in")
@@ -230,7 +237,9 @@ def setup_zero1(model):
     # only at the very end of backward, after the head's and the lookup's are summed) goes first.
     groups = decay_groups(dict(model.named_parameters()), args.weight_decay, no_decay)[::-1]
     opt = ZeroOptimizer(groups, "adamw", comm, module=model, lr=args.lr, betas=(0.9, 0.95),
-                        max_grad_norm=MAX_NORM, param_dtype=args.dtype, overlap=True)
+                        max_grad_norm=MAX_NORM, param_dtype=args.dtype, overlap=True,
+                        reduce_dtype=args.reduce_dtype, gather_dtype=args.gather_dtype,
+                        error_feedback=args.error_feedback)
     # step(): averages over ranks, clips, updates, zeroes the grads. (Looked up at each call:
     # an LR scheduler wraps opt.step.)
     return opt, lambda: opt.step()
@@ -337,6 +346,8 @@ if args.reference == "ddp":
 tail = tokens_per_s[len(tokens_per_s) // 10:] or tokens_per_s  # past the warm-up
 print0(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {np.median(tail):.0f} tokens/s "
        f"(median over steps {start + len(tokens_per_s) - len(tail)}-{args.steps - 1})")
+if rank == 0 and args.losses:
+    Path(args.losses).write_text(json.dumps({"args": vars(args), "losses": losses}) + "\n")
 
 if rank == 0 and args.sample:
     with torch.no_grad():

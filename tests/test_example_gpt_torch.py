@@ -112,3 +112,15 @@ def test_fused_reference_trains_in_one_process_and_matches_in_float32():
     assert losses(fused) == pytest.approx(losses(ours), rel=1e-4, abs=1e-7)
     rc, out = run("--reference", "fused", check=False)
     assert rc != 0 and "--reference fused trains in one process: run it on 1 rank" in out
+
+
+def test_8bit_collectives_through_the_torch_binding():
+    """``--reduce-dtype int8 --gather-dtype int8 --error-feedback``: it trains, and ends near
+    the 16-bit run (the loss curves of issue 28 are tools/wire_losses.py's)."""
+    _, out = run("--steps", "30")
+    plain = losses(out)
+    _, out = run("--steps", "30", "--reduce-dtype", "int8", "--gather-dtype", "int8",
+                 "--error-feedback")
+    int8 = losses(out)
+    assert int8[-1] < int8[0] - 0.5, int8
+    assert abs(sum(int8[-5:]) - sum(plain[-5:])) / sum(plain[-5:]) < 0.05, (int8, plain)

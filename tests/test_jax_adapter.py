@@ -44,6 +44,11 @@ def test_n_ranks_match_one_process_on_the_averaged_gradients(n):
         assert "OK jax adapter errors on 3 ranks" in out, out
 
 
+def test_the_8bit_wire_through_the_binding():
+    out = run_mpi(3, "jax_adapter.py", "int8", timeout=180).stdout
+    assert "OK jax adapter int8 wire on 3 ranks" in out, out
+
+
 def test_a_flax_model_with_a_jit_step_matches_optax_adamw():
     try:
         import flax  # noqa: F401

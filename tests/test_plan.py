@@ -152,7 +152,7 @@ def test_codec_time_and_break_even():
     slow = plan(PSI, 4, 2, bandwidth=int8["break_even_bits"])
     fast = plan(PSI, 4, 2, reduce="int8", bandwidth=int8["break_even_bits"], codec_rate=100e6)
     assert slow["link_seconds"] - fast["link_seconds"] == pytest.approx(fast["codec_seconds"])
-    assert model.CODEC_VALUES_PER_SECOND == 200e6
+    assert model.CODEC_VALUES_PER_SECOND == 590e6  # tools/bench.py quant, this machine
 
 
 def test_packed_bytes_is_the_wires():
@@ -248,7 +248,7 @@ def test_cli_compare_prints_every_wire_choice(capsys):
         ("2", "reduce int8 across, gather bfloat16", "25.39", "50.78"),
         ("2", "reduce int8, gather int8", "25.39", "50.78"),
     ]
-    assert [r[6] for r in rows[:3]] == ["-", "1.57 Gbit/s", "1.7 Gbit/s"]
+    assert [r[6] for r in rows[:3]] == ["-", "4.65 Gbit/s", "5 Gbit/s"]
     assert main(BASE + ["--compare", "--json", "--dtype", "float32"]) == 0
     table = json.loads(capsys.readouterr().out)
     assert [(r["shard_group"], r["reduce"], r["gather"]) for r in table] == [
@@ -275,12 +275,14 @@ def test_cli_bad_input_exits_2_naming_the_value(capsys, extra, words):
     assert words in capsys.readouterr().err
 
 
-def test_int8_across_groups_stops_paying_at_eight_replicas():
-    """The int8 sum across groups gathers every replica's packed row, (R-1) x 1.016 bytes a
-    value sent against the fp32 ring's 2(R-1)/R x 4: fewer bytes only while R < 7.9."""
-    for nodes, pays in ((4, True), (7, True), (8, False), (16, False)):
+def test_int8_across_groups_sends_a_quarter_of_fp32_at_every_replica_count():
+    """The int8 sum across groups: for R = 2 each replica's packed row to the other, for R > 2
+    the shard's R packed parts reduce-scattered and each part's sum gathered: 2(R-1)/R x 1.016
+    bytes a value either way (as a ring), against the fp32 ring's 2(R-1)/R x 4."""
+    for nodes in (2, 3, 4, 8, 16):
         plain = plan(PSI * 8, 8 * nodes, 8, "node", bandwidth="100gbit")
         int8 = plan(PSI * 8, 8 * nodes, 8, "node", reduce="int8", compress_hops="across",
                     bandwidth="100gbit")
-        assert (int8["link_bytes_per_step"] < plain["link_bytes_per_step"]) is pays, nodes
-        assert (int8["break_even_bits"] > 0) is pays
+        ratio = int8["link_bytes_per_step"] / plain["link_bytes_per_step"]
+        assert 0.25 < ratio < 0.26, (nodes, ratio)
+        assert int8["break_even_bits"] > 0

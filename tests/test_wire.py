@@ -106,6 +106,7 @@ def test_quantization_error_is_within_half_a_step():
     (2, ["reduce", "gather", "overflow", "rules", "options"]),
     (3, ["reduce", "overflow"]),
     (4, ["reduce", "gather", "overflow"]),
+    (6, ["reduce"]),  # 3 replicas: the sum across groups reduce-scattered, then gathered
 ])
 def test_the_8bit_paths_on_n_ranks(n, parts):
     out = run_mpi(n, "wire.py", *parts, timeout=600).stdout

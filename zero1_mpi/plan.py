@@ -35,7 +35,9 @@ repeats the first per micro-batch):
    by ``Alltoall`` (2Ψ, summed in fp32 after), fp16 sums (``reduce="float16"``) by
    ``Reduce_scatter_block`` (2Ψ), int8 by ``Alltoall`` of K rows of ``packed_bytes(Ψ/K)``;
 2. with R > 1, each reduced shard summed across the groups among the ranks holding it (r, r+K,
-   ...): ``Allreduce`` of 4Ψ/K (fp32 sums; 2Ψ/K for fp16 ones), int8: ``Allgather`` of R rows;
+   ...): ``Allreduce`` of 4Ψ/K (fp32 sums; 2Ψ/K for fp16 ones); int8: ``Allgather`` of R rows
+   (R = 2), or (R > 2) ``Alltoall`` of the shard's R packed parts and ``Allgather`` of each
+   part's sum, packed again;
 3. the parameters all-gathered within each group: ``Allgather`` of bΨ (int8: K packed rows);
 4. the step's agreement, an ``Allreduce`` of 64 bytes over all N ranks: latency only.
 
@@ -58,9 +60,10 @@ numbers are bytes and seconds; rates are bits/s. Stdlib only: no numpy, no MPI.
 
 #: Values per int8 scale (``zero1_mpi.wire.BLOCK``).
 BLOCK = 256
-#: Values one rank quantizes and dequantizes per second (a value through both): a placeholder
-#: default, not a measurement; replace it with what tools/bench.py quant measures.
-CODEC_VALUES_PER_SECOND = 200e6
+#: Values one rank quantizes and dequantizes per second (a value through both): measured with
+#: ``tools/bench.py quant`` (Numba, bf16, block 256, one core of this project's 2-core machine:
+#: encode 1.44 + decode 0.25 ms per million values). Pass ``--codec-rate`` for yours.
+CODEC_VALUES_PER_SECOND = 590e6
 #: Within a node: shared memory, bits/s (100 GB/s) and seconds per round.
 NODE_BANDWIDTH, NODE_LATENCY = 800e9, 1e-6
 #: A link's latency when none is given (TCP over Ethernet; InfiniBand is nearer 2 us).
@@ -203,8 +206,12 @@ def plan(
         add("gradient sum in group", "Reduce_scatter_block", groups, k, b * psi, False, m)
     elif k > 1:
         add("gradient sum in group (16-bit rows)", "Alltoall", groups, k, 2 * psi, False, m)
-    if r > 1 and int8_across:
+    if r == 2 and int8_across:
         add("shard sum across groups (int8)", "Allgather", replicas, r, r * row, True)
+    elif r > 2 and int8_across:  # reduce-scattered in R parts, each part's sum gathered
+        part = packed_bytes(-(-psi // k // r))
+        add("shard sum across groups (int8, parts)", "Alltoall", replicas, r, r * part, False)
+        add("shard sum across groups (int8, gather)", "Allgather", replicas, r, r * part, True)
     elif r > 1:
         fp16 = reduce == "float16" or (stage == 2 and dtype == "float16")
         add("shard sum across groups", "Allreduce", replicas, r, (2 if fp16 else 4) * shard, True)
@@ -219,7 +226,8 @@ def plan(
     # values per rank per step through the int8 codec: encoded + decoded, a round trip each
     codec = 2 * m * psi if int8_within and k > 1 else 0.0
     codec += shard + psi if gather and k > 1 else 0.0
-    codec += shard + r * shard if int8_across and r > 1 else 0.0
+    codec += shard + r * shard if int8_across and r == 2 else 0.0
+    codec += 2 * shard + 2 * shard if int8_across and r > 2 else 0.0  # two quantizations
     codec_seconds = codec / 2 / codec_rate
     link = sum(s["link_bytes"] for s in steps)
     result = {
@@ -404,7 +412,7 @@ def main(argv=None) -> int:
     add("--node-bandwidth", type=_arg(parse_rate), default=NODE_BANDWIDTH,
         help="within a node (default 100GB/s)")  # fmt: skip
     add("--codec-rate", type=_arg(_rate), default=CODEC_VALUES_PER_SECOND,
-        help="int8 values encoded and decoded per second per rank (default 200M)")  # fmt: skip
+        help="int8 values encoded and decoded per second per rank (default 590M)")  # fmt: skip
     add("--compare", action="store_true",
         help="a row per wire choice (--reduce, --gather... aside), flat and per node")  # fmt: skip
     add("--json", action="store_true", help="print every number as JSON")

@@ -61,22 +61,23 @@ def split_packed(packed, n: int, block: int = BLOCK):
     return packed[: 4 * blocks].view(F32), packed[4 * blocks : 4 * blocks + n].view(np.int8)
 
 
-def codec_for(kind: str, largest: int = NUMPY_CHUNK):
-    """The codec of the kernel family ``kind``; ``largest``: the most values one call sees."""
+def codec_for(kind: str, largest: int = NUMPY_CHUNK, block: int = BLOCK):
+    """The codec of the kernel family ``kind``; ``largest``: the most values one call sees;
+    ``block``: values per scale (the engine's: ``BLOCK``; others for ``tools/bench.py quant``)."""
     if kind == "cupy":
-        return CupyCodec()
+        return CupyCodec(block)
     if kind == "numba":
-        return NumbaCodec(largest)
-    return NumpyCodec(largest)
+        return NumbaCodec(largest, block)
+    return NumpyCodec(largest, block)
 
 
 class NumpyCodec:
     """The NumPy twin, a chunk of ``NUMPY_CHUNK`` values at a time."""
 
-    block = BLOCK
-
-    def __init__(self, largest: int = NUMPY_CHUNK):
-        size = max(BLOCK, min(-(-largest // BLOCK) * BLOCK, NUMPY_CHUNK))
+    def __init__(self, largest: int = NUMPY_CHUNK, block: int = BLOCK):
+        self.block = block
+        chunk = max(block, NUMPY_CHUNK // block * block)
+        size = max(block, min(-(-largest // block) * block, chunk))
         self._v, self._w = np.empty(size, F32), np.empty(size, F32)
 
     @property
@@ -86,7 +87,8 @@ class NumpyCodec:
     def encode(self, x, packed, residual=None) -> None:
         """Quantize ``x`` (fp32, bf16 or fp16) into the byte row ``packed``; with ``residual``
         (``x``'s dtype and size), add it first and leave there what quantizing dropped."""
-        scales, q = split_packed(packed, x.size)
+        b = self.block
+        scales, q = split_packed(packed, x.size, b)
         for start in range(0, x.size, self._v.size):
             stop = min(x.size, start + self._v.size)
             v, w = self._v[: stop - start], self._w[: stop - start]
@@ -94,94 +96,95 @@ class NumpyCodec:
             if residual is not None:
                 np.copyto(w, residual[start:stop], casting="unsafe")
                 np.add(v, w, out=v)
-            s = scales[start // BLOCK : -(-stop // BLOCK)]
-            bad = _block_scales(v, s)
-            _per_value(s, v, np.divide, w, zero_for=bad)  # w = v / scale (0: a zero block)
+            s = scales[start // b : -(-stop // b)]
+            bad = _block_scales(v, s, b)
+            _per_value(s, v, np.divide, w, b, zero_for=bad)  # w = v / scale (0: a zero block)
             np.rint(w, out=w)
             np.clip(w, -LEVELS, LEVELS, out=w)
             q[start:stop] = w
             if residual is not None:
-                _per_value(s, w, np.multiply, w)  # w = q * scale
+                _per_value(s, w, np.multiply, w, b)  # w = q * scale
                 np.subtract(v, w, out=v)
-                _zero_blocks(v, bad)
+                _zero_blocks(v, bad, b)
                 residual[start:stop] = v
 
     def decode_sum(self, rows, n: int, out) -> None:
         """``out`` (fp32, ``n``) = the sum of the byte rows ``rows`` decoded, in row order."""
+        b = self.block
         for start in range(0, n, self._v.size):
             stop = min(n, start + self._v.size)
             total, w = out[start:stop], self._w[: stop - start]
             for r in range(rows.shape[0]):
-                scales, q = split_packed(rows[r], n)
+                scales, q = split_packed(rows[r], n, b)
                 target = total if r == 0 else w
                 np.copyto(target, q[start:stop], casting="unsafe")
-                _per_value(scales[start // BLOCK : -(-stop // BLOCK)], target, np.multiply, target)
+                _per_value(scales[start // b : -(-stop // b)], target, np.multiply, target, b)
                 if r:
                     np.add(total, w, out=total)
 
     def decode_add(self, packed, target) -> None:
         """``target`` (fp32, bf16 or fp16) = ``target + decoded``, rounded to its dtype."""
-        n = target.size
-        scales, q = split_packed(packed, n)
+        n, b = target.size, self.block
+        scales, q = split_packed(packed, n, b)
         for start in range(0, n, self._v.size):
             stop = min(n, start + self._v.size)
             v, w = self._v[: stop - start], self._w[: stop - start]
             np.copyto(w, q[start:stop], casting="unsafe")
-            _per_value(scales[start // BLOCK : -(-stop // BLOCK)], w, np.multiply, w)
+            _per_value(scales[start // b : -(-stop // b)], w, np.multiply, w, b)
             np.copyto(v, target[start:stop], casting="unsafe")
             np.add(v, w, out=v)
             target[start:stop] = v
 
 
-def _blocks(values):
-    """``(full, tail)``: the whole blocks of ``values`` as rows of ``BLOCK``, and the rest."""
-    full = values.size // BLOCK * BLOCK
-    return values[:full].reshape(-1, BLOCK), values[full:]
+def _blocks(values, block):
+    """``(full, tail)``: the whole blocks of ``values`` as rows of ``block``, and the rest."""
+    full = values.size // block * block
+    return values[:full].reshape(-1, block), values[full:]
 
 
-def _block_scales(v, scales):
+def _block_scales(v, scales, block):
     """``scales`` = each block's ``max |v| / 127`` (nan where a value is not finite); returns
     which blocks are bad (nan scale)."""
-    amax = np.maximum.reduceat(np.abs(v), np.arange(0, v.size, BLOCK))
+    amax = np.maximum.reduceat(np.abs(v), np.arange(0, v.size, block))
     bad = ~np.isfinite(amax)
     np.divide(amax, F32(LEVELS), out=scales)
     scales[bad] = np.nan
     return bad
 
 
-def _per_value(scales, values, op, out, zero_for=None):
+def _per_value(scales, values, op, out, block, zero_for=None):
     """``out = op(values, scale of each value's block)``; with ``zero_for`` (bad blocks),
     0 where the scale is 0 or bad."""
     if zero_for is not None:
         divisor = np.where(zero_for | (scales == 0), F32(1), scales)
-        full_v, tail_v = _blocks(values)
-        full_o, tail_o = _blocks(out)
+        full_v, tail_v = _blocks(values, block)
+        full_o, tail_o = _blocks(out, block)
         op(full_v, divisor[: full_v.shape[0], None], out=full_o)
         if tail_v.size:
             op(tail_v, divisor[-1], out=tail_o)
-        _zero_blocks(out, zero_for)
+        _zero_blocks(out, zero_for, block)
         return
-    full_v, tail_v = _blocks(values)
-    full_o, tail_o = _blocks(out)
+    full_v, tail_v = _blocks(values, block)
+    full_o, tail_o = _blocks(out, block)
     op(full_v, scales[: full_v.shape[0], None], out=full_o)
     if tail_v.size:
         op(tail_v, scales[-1], out=tail_o)
 
 
-def _zero_blocks(values, bad) -> None:
+def _zero_blocks(values, bad, block) -> None:
     """0 in the blocks of ``values`` marked ``bad``."""
     for index in np.flatnonzero(bad):
-        values[index * BLOCK : (index + 1) * BLOCK] = 0
+        values[index * block : (index + 1) * block] = 0
 
 
 # -- the Numba twin: per block, widened into fp32 scratch; 16-bit values as bit patterns -----
 
 
 @jit
-def _encode(x32, x16, kind, res32, res16, feedback, table, v, w, scales, q):
+def _encode(x32, x16, kind, res32, res16, feedback, table, v, w, scales, q, block):
     n = x32.size if kind == FP32 else x16.size
-    for b in range((n + BLOCK - 1) // BLOCK):
-        lo, hi = b * BLOCK, min(n, (b + 1) * BLOCK)
+    for b in range((n + block - 1) // block):
+        lo, hi = b * block, min(n, (b + 1) * block)
         vb, wb = v[: hi - lo], w[: hi - lo]
         if kind == FP32:
             vb[:] = x32[lo:hi]
@@ -192,24 +195,15 @@ def _encode(x32, x16, kind, res32, res16, feedback, table, v, w, scales, q):
                 wb[:] = res32[lo:hi]
             else:
                 widen(res16[lo:hi], kind, table, wb)
-            for i in range(hi - lo):
-                vb[i] = vb[i] + wb[i]
-        amax, bad = np.float32(0), False
-        for i in range(hi - lo):
-            a = abs(vb[i])
-            if not a <= np.float32(3.4028234663852886e38):
-                bad = True
-            elif a > amax:
-                amax = a
-        scale = np.float32(np.nan) if bad else amax / np.float32(LEVELS)
+            _add(vb, wb)
+        scale = _block_scale(vb)
         scales[b] = scale
-        for i in range(hi - lo):
-            if bad or scale == np.float32(0):
-                qi = np.float32(0)
-            else:
-                qi = min(max(np.rint(vb[i] / scale), np.float32(-LEVELS)), np.float32(LEVELS))
-            q[lo + i] = np.int8(qi)
-            vb[i] = np.float32(0) if bad else vb[i] - qi * scale
+        if np.isnan(scale) or scale == np.float32(0):  # a bad or zero block: zeros
+            q[lo:hi] = 0
+            if np.isnan(scale):
+                vb[:] = np.float32(0)
+        else:
+            _quantize(vb, scale, q[lo:hi], wb, feedback)
         if feedback:
             if kind == FP32:
                 res32[lo:hi] = vb
@@ -219,28 +213,69 @@ def _encode(x32, x16, kind, res32, res16, feedback, table, v, w, scales, q):
                 narrow_f16(vb, res16[lo:hi])
 
 
-@jit
-def _decode_sum(q, scales, n, out):
-    rows = q.shape[0]
-    for i in range(n):
-        out[i] = np.float32(q[0, i]) * scales[0, i // BLOCK]
-    for r in range(1, rows):
-        for i in range(n):
-            out[i] = out[i] + np.float32(q[r, i]) * scales[r, i // BLOCK]
+@jit(inline="never")
+def _add(total, values):
+    for i in range(total.size):
+        total[i] = total[i] + values[i]
+
+
+@jit(inline="never")
+def _block_scale(v):
+    """``max |v| / 127``, or nan where a value is not finite."""
+    amax, bad = np.float32(0), False
+    for i in range(v.size):
+        a = abs(v[i])
+        bad |= not a <= np.float32(3.4028234663852886e38)
+        amax = max(amax, a)
+    return np.float32(np.nan) if bad else amax / np.float32(LEVELS)
+
+
+@jit(inline="never")
+def _quantize(v, scale, q, w, feedback):
+    """``q`` = ``v / scale`` rounded and clipped; with ``feedback``, ``v`` = what was dropped."""
+    for i in range(v.size):
+        w[i] = min(max(np.rint(v[i] / scale), np.float32(-LEVELS)), np.float32(LEVELS))
+    for i in range(v.size):
+        q[i] = np.int8(w[i])
+    if feedback:
+        for i in range(v.size):
+            v[i] = v[i] - w[i] * scale
 
 
 @jit
-def _decode_add(q, scales, t32, t16, kind, table, v):
+def _decode_sum(q, scales, n, out, block):
+    for b in range((n + block - 1) // block):
+        lo, hi = b * block, min(n, (b + 1) * block)
+        _scaled(q[0, lo:hi], scales[0, b], out[lo:hi])
+        for r in range(1, q.shape[0]):
+            _scaled_add(q[r, lo:hi], scales[r, b], out[lo:hi])
+
+
+@jit(inline="never")
+def _scaled(q, scale, out):
+    for i in range(q.size):
+        out[i] = np.float32(q[i]) * scale
+
+
+@jit(inline="never")
+def _scaled_add(q, scale, out):
+    for i in range(q.size):
+        out[i] = out[i] + np.float32(q[i]) * scale
+
+
+@jit
+def _decode_add(q, scales, t32, t16, kind, table, v, block):
     n = q.size
-    for lo in range(0, n, v.size):
+    for lo in range(0, n, v.size):  # v.size: a multiple of block
         hi = min(n, lo + v.size)
         vb = v[: hi - lo]
         if kind == FP32:
             vb[:] = t32[lo:hi]
         else:
             widen(t16[lo:hi], kind, table, vb)
-        for i in range(hi - lo):
-            vb[i] = vb[i] + np.float32(q[lo + i]) * scales[(lo + i) // BLOCK]
+        for b in range(lo // block, (hi + block - 1) // block):
+            a, z = b * block - lo, min(hi, (b + 1) * block) - lo
+            _scaled_add(q[lo + a : lo + z], scales[b], vb[a:z])
         if kind == FP32:
             t32[lo:hi] = vb
         elif kind == BF16:
@@ -262,34 +297,33 @@ def _split(array):
 class NumbaCodec:
     """The compiled twin: the bits of ``NumpyCodec``."""
 
-    block = BLOCK
-
-    def __init__(self, largest: int = CHUNK):
+    def __init__(self, largest: int = CHUNK, block: int = BLOCK):
         compile_marked(globals())
-        self._v, self._w = np.empty(BLOCK, F32), np.empty(BLOCK, F32)
-        self._add = np.empty(max(BLOCK, min(largest, CHUNK)), F32)
+        self.block = block
+        self._v, self._w = np.empty(block, F32), np.empty(block, F32)
+        self._add = np.empty(max(1, min(largest, CHUNK) // block) * block, F32)
 
     @property
     def scratch_bytes(self) -> int:
         return self._v.nbytes + self._w.nbytes + self._add.nbytes
 
     def encode(self, x, packed, residual=None) -> None:
-        scales, q = split_packed(packed, x.size)
+        scales, q = split_packed(packed, x.size, self.block)
         x32, x16 = _split(x)
         r32, r16 = _split(residual)
         _encode(x32, x16, encoding(x), r32, r16, residual is not None, FP16_TABLE,
-                self._v, self._w, scales, q)  # fmt: skip
+                self._v, self._w, scales, q, self.block)  # fmt: skip
 
     def decode_sum(self, rows, n: int, out) -> None:
-        blocks = -(-n // BLOCK)
+        blocks = -(-n // self.block)
         scales = rows[:, : 4 * blocks].view(F32)
         q = rows[:, 4 * blocks : 4 * blocks + n].view(np.int8)
-        _decode_sum(q, scales, n, out)
+        _decode_sum(q, scales, n, out, self.block)
 
     def decode_add(self, packed, target) -> None:
-        scales, q = split_packed(packed, target.size)
+        scales, q = split_packed(packed, target.size, self.block)
         t32, t16 = _split(target)
-        _decode_add(q, scales, t32, t16, encoding(target), FP16_TABLE, self._add)
+        _decode_add(q, scales, t32, t16, encoding(target), FP16_TABLE, self._add, self.block)
 
 
 # -- the CuPy twin: a thread per block for the scales, a thread per value for the rest; products
@@ -331,9 +365,11 @@ _DECODE_ADD = r"""
 class CupyCodec:
     """The CuPy twin: ``ElementwiseKernel``s on the current stream."""
 
-    block = BLOCK
     scratch_bytes = 0
     _kernels: ClassVar[dict] = {}
+
+    def __init__(self, block: int = BLOCK):
+        self.block = block
 
     @staticmethod
     def _kernel(name, params, out, body):
@@ -345,27 +381,27 @@ class CupyCodec:
         return CupyCodec._kernels[name]
 
     def encode(self, x, packed, residual=None) -> None:
-        scales, q = split_packed(packed, x.size)
+        scales, q = split_packed(packed, x.size, self.block)
         if residual is None:
             self._kernel(
                 "zero1_int8_scales",
                 "raw X x, int64 n, int64 block",
                 "float32 scale",
                 _SCALES.replace("VALUE(j)", "(float)x[j]"),
-            )(x, x.size, BLOCK, scales)
+            )(x, x.size, self.block, scales)
             self._kernel(
                 "zero1_int8_quantize",
                 "X x, raw float32 scales, int64 block",
                 "int8 q",
                 _QUANTIZE.replace("VALUE", "(float)x").replace("FEEDBACK", ""),
-            )(x, scales, BLOCK, q)
+            )(x, scales, self.block, q)
             return
         self._kernel(
             "zero1_int8_scales_feedback",
             "raw X x, raw X residual, int64 n, int64 block",
             "float32 scale",
             _SCALES.replace("VALUE(j)", "__fadd_rn((float)x[j], (float)residual[j])"),
-        )(x, residual, x.size, BLOCK, scales)
+        )(x, residual, x.size, self.block, scales)
         self._kernel(
             "zero1_int8_quantize_feedback",
             "X x, raw float32 scales, int64 block",
@@ -373,18 +409,19 @@ class CupyCodec:
             _QUANTIZE.replace("VALUE", "__fadd_rn((float)x, (float)residual)").replace(
                 "FEEDBACK", "residual = (X)(bad ? 0.0f : __fsub_rn(v, __fmul_rn(qi, s)));"
             ),
-        )(x, scales, BLOCK, q, residual)
+        )(x, scales, self.block, q, residual)
 
     def decode_sum(self, rows, n: int, out) -> None:
         self._kernel(
             "zero1_int8_decode_sum",
             "raw uint8 packed, int32 rows, int64 row_bytes, int64 blocks, int64 block",
             "float32 out", _DECODE_SUM,
-        )(rows.reshape(-1), rows.shape[0], rows.shape[1], -(-n // BLOCK), BLOCK, out)  # fmt: skip
+        )(rows.reshape(-1), rows.shape[0], rows.shape[1], -(-n // self.block), self.block,
+          out)  # fmt: skip
 
     def decode_add(self, packed, target) -> None:
-        scales, q = split_packed(packed, target.size)
+        scales, q = split_packed(packed, target.size, self.block)
         self._kernel(
             "zero1_int8_decode_add", "int8 q, raw float32 scales, int64 block", "T target",
             _DECODE_ADD,
-        )(q, scales, BLOCK, target)  # fmt: skip
+        )(q, scales, self.block, target)  # fmt: skip

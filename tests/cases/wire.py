@@ -6,10 +6,11 @@
 ``reduce``: every rank's reduced gradient shards equal, bit for bit, a float64 model of the
 format (``reference.int8_encode`` / ``int8_sum``: each member's rows quantized with its own
 residual, summed in rank order; across the shard groups the same again), over three rounds
-(the residuals carried), stage 1 and 2, fp32 / bf16 / fp16, flat and (4 ranks) in groups of 2,
-every hop or the one across. ``gather``: with 8-bit parameter gathers, every rank's copy is the
-same bytes, each step's copy is within the stated bound of the masters' 16-bit rounding, and the
-masters are bit for bit those of 16-bit gathers. ``overflow``: an inf or nan in one block of one
+(the residuals carried), stage 1 and 2, fp32 / bf16 / fp16, flat and (4 or 6 ranks) in groups
+of 2 (2 or 3 replicas), every hop or the one across. ``gather``: with 8-bit parameter gathers, every rank's copy is the
+same bytes, each step's copy is within the stated bound of the masters' 16-bit rounding, the
+masters are bit for bit those of 16-bit gathers, and overlap (``grads_ready``, ``wait=False``)
+changes no bit. ``overflow``: an inf or nan in one block of one
 rank's gradient skips the step on every rank (dynamic loss scale) or raises everywhere.
 ``rules``: every rule of the registry with 8-bit reduction and gathers against its float64
 reference on the mean of the decoded gradients. ``options``: bad values raise on every rank.
@@ -79,11 +80,22 @@ class Model:
                     if self.stage2:  # added into the zeroed shard, in the shard's dtype
                         total = (total.astype(F32) + F32(0)).astype(self.shard_dtype)
                     group_sums.append(total)
-                if self.r > 1:
+                if self.r == 2:  # each replica's shard to the other, summed in rank order
                     st = b.state.start
                     rows = [self.encode(np.asarray(group_sums[g], self.shard_dtype), self.across,
                                         g * self.k + s, st, n) for g in range(self.r)]
                     parts.append(ref.int8_sum(rows).astype(self.shard_dtype).astype(np.float64))
+                elif self.r > 2:  # reduce-scattered in R parts, each sum quantized and gathered
+                    st, part, total = b.state.start, -(-n // self.r), []
+                    for j in range(self.r):
+                        lo, hi = min(n, j * part), min(n, (j + 1) * part)
+                        rows = [self.encode(np.asarray(group_sums[g][lo:hi], self.shard_dtype),
+                                            self.across, g * self.k + s, st + lo, hi - lo)
+                                for g in range(self.r)]
+                        scales, q, _ = ref.int8_encode(ref.int8_sum(rows))
+                        total.append(ref.int8_decode(scales, q))
+                    total = np.concatenate(total).astype(F32)
+                    parts.append(total.astype(self.shard_dtype).astype(np.float64))
                 else:
                     parts.append(np.asarray(group_sums[0], np.float64))
             out[s] = np.concatenate(parts)
@@ -93,7 +105,7 @@ class Model:
 def reduce_case():
     configs = [(None, False, "all", False), (None, False, "all", True),
                (None, True, "all", False), (None, True, "all", True)]
-    if size == 4:
+    if size in (4, 6):  # groups of 2: 2 or 3 replicas
         configs += [(2, False, "all", True), (2, True, "all", True),
                     (2, False, "across", True), (2, True, "across", False)]
     count = 0
@@ -126,7 +138,7 @@ def reduce_case():
 
 
 def gather_case():
-    configs = [(None, False), (None, True)] + ([(2, False), (2, True)] if size == 4 else [])
+    configs = [(None, False), (None, True)] + ([(2, False), (2, True)] if size in (4, 6) else [])
     worst = 0.0
     for k, stage2 in configs:
         for dtype_name in ("bfloat16", "float16"):
@@ -135,14 +147,19 @@ def gather_case():
             made = [ZeroAdamW(kit.init_values(SHAPES), world, lr=3e-3, param_dtype=dtype_name,
                               reduce_dtype="int8", shard_gradients=stage2, shard_group_size=k,
                               bucket_elements=BUCKET, gather_dtype=gather)
-                    for gather in ("int8", None)]
-            opt, plain = made
+                    for gather in ("int8", None, "int8")]
+            opt, plain, overlapped = made  # the third: reductions from grads_ready, wait=False
             own = [(lo, hi, st) for lo, hi, st in opt.layout.owned(opt.shard_rank)]
             for step in range(30):
                 before = kit.shard_arrays(opt)["params"].copy()
                 for o in made:
                     kit.hand_over(o, kit.grads_of(rank, step, SHAPES, dtype, scale=1.0))
-                    o.step()
+                    if o is overlapped:
+                        if not stage2:
+                            o.grads_ready([t.name for t in o.layout.tensors][::-1])
+                        o.step(wait=False)
+                    else:
+                        o.step()
                 arrays = kit.shard_arrays(opt)
                 copy, master = arrays["params"], arrays["master"]
                 check(kit.everywhere_same(copy.tobytes()), f"{where} step {step}: copies differ")
@@ -157,6 +174,8 @@ def gather_case():
                     worst = max(worst, float(err.max() / scale))
             check(kit.same_bits(kit.shard_arrays(opt)["master"], kit.shard_arrays(plain)["master"]),
                   f"{where}: the masters differ from those of 16-bit gathers")
+            check(all(kit.same_bits(opt.params[k], overlapped.params[k]) for k in SHAPES),
+                  f"{where}: overlapped (grads_ready, wait=False) differs")
             for o in made:
                 o.close()
     return worst
@@ -175,7 +194,7 @@ def bound_of(change, target):
 
 def overflow_case():
     configs = [dict(), dict(shard_gradients=True), dict(error_feedback=True)]
-    if size == 4:
+    if size in (4, 6):
         configs += [dict(shard_group_size=2), dict(shard_group_size=2, compress_hops="across")]
     for extra in configs:
         for bad in (np.inf, np.nan):
@@ -281,13 +300,17 @@ def options_case():
     return len(bad)
 
 
-if __name__ == "__main__":
-    done = kit.sub_cases({"reduce": lambda: print(f"reduce: {reduce_case()} configurations"),
-                          "gather": lambda: print(f"gather: worst relative error "
-                                                  f"{gather_case():.2e}"),
-                          "overflow": lambda: print(f"overflow: {overflow_case()} configurations"),
-                          "rules": lambda: print(f"rules: {rules_case()} cases"),
-                          "options": lambda: print(f"options: {options_case()} bad values")})
-    world.Barrier()
+def say(text):
     if rank == 0:
-        print(f"OK 8-bit wire on {size} ranks: {', '.join(done)}", flush=True)
+        print(text, flush=True)
+
+
+if __name__ == "__main__":
+    done = kit.sub_cases({"reduce": lambda: say(f"reduce: {reduce_case()} configurations"),
+                          "gather": lambda: say(f"gather: worst relative error "
+                                                f"{gather_case():.2e}"),
+                          "overflow": lambda: say(f"overflow: {overflow_case()} configurations"),
+                          "rules": lambda: say(f"rules: {rules_case()} cases"),
+                          "options": lambda: say(f"options: {options_case()} bad values")})
+    world.Barrier()
+    say(f"OK 8-bit wire on {size} ranks: {', '.join(done)}")

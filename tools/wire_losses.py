@@ -1,0 +1,114 @@
+"""The GPT example's loss with 8-bit collectives against 16-bit ones, over seeds:
+
+    python tools/wire_losses.py [--ranks 4] [--steps 600] [--seeds 0,1] [--out DIR]
+        [--plot docs/wire_loss.png]
+
+Runs ``examples/gpt_torch.py`` (bf16 parameters, ``mpiexec -n RANKS``) for each seed and each
+wire: ``bf16`` (16-bit gradients summed in fp32, 16-bit gathers), ``int8`` (``--reduce-dtype
+int8 --gather-dtype int8``), ``int8+ef`` (with ``--error-feedback``) and ``int8 reduce`` (16-bit
+gathers). The final loss is the mean over the last ``--tail`` steps (one step's loss is noisy).
+Prints, per wire, the final loss of each seed, and whether each int8 wire ends within the
+run-to-run spread of ``bf16`` over the seeds, or within 1% of its mean, whichever is wider (the
+target of issue 28); writes every loss curve to DIR/losses.json and plots them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zero1_mpi.launcher import launch_command  # noqa: E402
+
+WIRES = {
+    "bf16": [],
+    "int8": ["--reduce-dtype", "int8", "--gather-dtype", "int8"],
+    "int8+ef": ["--reduce-dtype", "int8", "--gather-dtype", "int8", "--error-feedback"],
+    "int8 reduce": ["--reduce-dtype", "int8"],
+}
+
+
+def run(ranks: int, steps: int, seed: int, wire: str, out: Path) -> list[float]:
+    path = out / f"{wire.replace(' ', '_').replace('+', '_')}-seed{seed}.json"
+    if not path.exists():
+        program = [sys.executable, "-m", "mpi4py", str(ROOT / "examples" / "gpt_torch.py"),
+                   "--steps", str(steps), "--seed", str(seed), "--sample", "0", "--log-every",
+                   "100", "--losses", str(path), *WIRES[wire]]
+        command, env = launch_command(ranks, program, environ={**os.environ,
+                                                               "OMP_NUM_THREADS": "1"})
+        subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        print(f"{wire}, seed {seed}: done", flush=True)
+    return json.loads(path.read_text())["losses"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--tail", type=int, default=50)
+    parser.add_argument("--out", default="wire_losses")
+    parser.add_argument("--plot", help="a PNG of the curves")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    curves = {w: {s: run(args.ranks, args.steps, s, w, out) for s in seeds} for w in WIRES}
+    final = {w: {s: sum(c[-args.tail:]) / args.tail for s, c in runs.items()}
+             for w, runs in curves.items()}
+    base = list(final["bf16"].values())
+    mean = sum(base) / len(base)
+    band = max(max(base) - min(base), 0.01 * mean) / 2
+    print(f"final loss: mean of the last {args.tail} of {args.steps} steps, {args.ranks} ranks; "
+          f"bf16 {mean:.4f}, target {mean - band:.4f}..{mean + band:.4f}")
+    for wire, by_seed in final.items():
+        values = " ".join(f"seed {s}: {v:.4f}" for s, v in by_seed.items())
+        ok = all(abs(v - mean) <= band for v in by_seed.values())
+        print(f"  {wire:<12} {values}   {'within' if ok else 'OUTSIDE'}")
+    (out / "losses.json").write_text(json.dumps({"args": vars(args), "final": final,
+                                                 "curves": curves}) + "\n")
+    if args.plot:
+        plot(args.plot, curves, args)
+    return 0
+
+
+def plot(path, curves, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = {"bf16": "k", "int8": "tab:blue", "int8+ef": "tab:orange", "int8 reduce": "tab:green"}
+    for wire, runs in curves.items():
+        for seed, values in runs.items():
+            ax.plot(smooth(values, 50), color=styles[wire], linewidth=1.0,
+                    linestyle="-" if seed == min(runs) else "--", label=f"{wire}, seed {seed}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean of the last 50 steps)")
+    ax.set_ylim(top=min(3.0, ax.get_ylim()[1]))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(f"GPT example, {args.ranks} ranks, bf16 parameters: 16-bit vs 8-bit collectives",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def smooth(values, width):
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - width] if i >= width else 0.0)
+        out.append(total / min(i + 1, width))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
