@@ -175,6 +175,21 @@ def test_flat_and_node_level_sharding_across_two_namespaces(tmp_path):
     assert all(r["link_bytes_per_step"] > 1e6 for r in rows.values()), rows
 
 
+def test_8bit_wire_link_bytes_are_the_models(tmp_path):
+    """`tools/bench.py wire` on 2 x 2 ranks at 1 Gbit/s: every wire choice (fp32, bf16, int8
+    reduction, gathers, across node-level groups) sends, per step, within 10% of the bytes
+    `zero1_mpi.plan` predicts, and int8 reduction and gathers at most 0.55x bf16's."""
+    _, out, _ = _run("--rate", "1gbit", "--", sys.executable, "tools/bench.py", "wire",
+                     "--rate", "1gbit", "--params", "2M", "--steps", "2",
+                     "--json", str(tmp_path / "wire.json"), timeout=300)
+    rows = json.loads((tmp_path / "wire.json").read_text())["rows"]
+    assert len(rows) == 9, out
+    for r in rows:
+        assert abs(r["link_bytes"] / r["model_link_bytes"] - 1) < 0.1, r
+    flat = {r["name"]: r["link_bytes"] for r in rows if r["sharding"] == "flat"}
+    assert flat["int8 reduce+gather"] <= 0.55 * flat["bf16"], flat
+
+
 def test_failing_job_fails_the_script_and_is_cleaned_up():
     proc, out, err = _run("--", sys.executable, "-c", "import sys; sys.exit(3)", check=False)
     assert proc.returncode != 0, out + err

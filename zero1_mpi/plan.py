@@ -43,7 +43,8 @@ repeats the first per micro-batch):
 
 Algorithms assumed (MPICH's for large messages): ``Alltoall`` and ``Reduce_scatter_block`` by
 pairwise exchange (n-1 rounds, each rank sends 1/n of its buffer straight to each other rank),
-``Allgather`` by a ring in rank order (n-1 rounds, each rank sends (n-1)/n of the total),
+``Allgather`` by a ring in rank order (n-1 rounds, each rank sends (n-1)/n of the total; below
+512 KiB a bucket, in a power-of-two group, by recursive doubling, which crosses nodes more),
 ``Allreduce`` by a ring (2(n-1) rounds, 2(n-1)/n of the buffer sent; recursive doubling,
 log2 n rounds, for the agreement). Per collective: the buffer (an all-to-all's or
 reduce-scatter's input, an all-gather's result, an all-reduce's buffer), the bytes each rank
@@ -64,6 +65,9 @@ BLOCK = 256
 #: ``tools/bench.py quant`` (Numba, bf16, block 256, one core of this project's 2-core machine:
 #: encode 1.44 + decode 0.25 ms per million values). Pass ``--codec-rate`` for yours.
 CODEC_VALUES_PER_SECOND = 590e6
+#: MPICH gathers totals below this many bytes by recursive doubling (power-of-two groups), by a
+#: ring from it on (``MPIR_CVAR_ALLGATHER_LONG_MSG_SIZE``).
+ALLGATHER_LONG = 512 * 1024
 #: Within a node: shared memory, bits/s (100 GB/s) and seconds per round.
 NODE_BANDWIDTH, NODE_LATENCY = 800e9, 1e-6
 #: A link's latency when none is given (TCP over Ethernet; InfiniBand is nearer 2 us).
@@ -71,7 +75,8 @@ LINK_LATENCY = 20e-6
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ALGORITHMS = (
     "MPICH, large messages: Alltoall/Reduce_scatter_block pairwise exchange, Allgather ring "
-    "in rank order, Allreduce ring (agreement: recursive doubling)"
+    "in rank order (recursive doubling below 512 KiB a bucket), Allreduce ring (agreement: "
+    "recursive doubling)"
 )
 
 
@@ -126,6 +131,21 @@ def _crossing(groups, p: int, ring: bool, unit: float) -> tuple[float, float]:
                 rx[node] += (len(nodes) - count[node]) * unit
     one = max((max(tx[x], rx[x]) for x in set(tx) | set(rx)), default=0.0)
     return one, max((tx[x] + rx[x] for x in set(tx) | set(rx)), default=0.0)
+
+
+def _doubling(groups, p: int, block: float) -> tuple[float, float]:
+    """(one direction, both) of an ``Allgather`` by recursive doubling (a power-of-two group):
+    at distance d = 1, 2, 4, ... each member sends the d blocks it holds to member i ^ d."""
+    tx: dict[int, float] = defaultdict(float)
+    for members in groups:
+        d = 1
+        while d < len(members):
+            for i, rank in enumerate(members):
+                if rank // p != members[i ^ d] // p:
+                    tx[rank // p] += d * block
+            d *= 2
+    one = max(tx.values(), default=0.0)  # symmetric: each node receives what it sends
+    return one, 2 * one
 
 
 def _value(value, parse) -> float:
@@ -187,6 +207,8 @@ def plan(
         factor = 2 if name == "Allreduce" else 1
         sent = factor * (size - 1) / size * buffer if rounds is None else 0.0
         one, both = _crossing(members, p, ring, sent if ring else buffer / size)
+        if name == "Allgather" and buffer / buckets < ALLGATHER_LONG and size & (size - 1) == 0:
+            one, both = _doubling(members, p, buffer / size)  # MPICH's choice below 512 KiB
         crosses = any(len({x // p for x in g}) > 1 for g in members)
         rounds = factor * (size - 1) * buckets if rounds is None else rounds
         wait = rounds * (alpha if crosses else NODE_LATENCY)

@@ -183,6 +183,7 @@ def _zero_blocks(values, bad, block) -> None:
 @jit
 def _encode(x32, x16, kind, res32, res16, feedback, table, v, w, scales, q, block):
     n = x32.size if kind == FP32 else x16.size
+    one = np.empty(1, np.int32)
     for b in range((n + block - 1) // block):
         lo, hi = b * block, min(n, (b + 1) * block)
         vb, wb = v[: hi - lo], w[: hi - lo]
@@ -196,7 +197,7 @@ def _encode(x32, x16, kind, res32, res16, feedback, table, v, w, scales, q, bloc
             else:
                 widen(res16[lo:hi], kind, table, wb)
             _add(vb, wb)
-        scale = _block_scale(vb)
+        scale = _block_scale(vb, one)
         scales[b] = scale
         if np.isnan(scale) or scale == np.float32(0):  # a bad or zero block: zeros
             q[lo:hi] = 0
@@ -220,14 +221,18 @@ def _add(total, values):
 
 
 @jit(inline="never")
-def _block_scale(v):
-    """``max |v| / 127``, or nan where a value is not finite."""
-    amax, bad = np.float32(0), False
-    for i in range(v.size):
-        a = abs(v[i])
-        bad |= not a <= np.float32(3.4028234663852886e38)
-        amax = max(amax, a)
-    return np.float32(np.nan) if bad else amax / np.float32(LEVELS)
+def _block_scale(v, one):
+    """``max |v| / 127``, or nan where a value is not finite. The largest magnitude is found on
+    the bit patterns (for finite floats their order is the integers'), which vectorizes."""
+    bits = v.view(np.int32)
+    top = np.int32(0)
+    for i in range(bits.size):
+        a = bits[i] & np.int32(0x7FFFFFFF)
+        top = a if a > top else top
+    if top >= np.int32(0x7F800000):  # inf or nan
+        return np.float32(np.nan)
+    one[0] = top  # (one: an int32 scratch of one element)
+    return one.view(np.float32)[0] / np.float32(LEVELS)
 
 
 @jit(inline="never")
