@@ -63,8 +63,8 @@ numbers are bytes and seconds; rates are bits/s. Stdlib only: no numpy, no MPI.
 BLOCK = 256
 #: Values one rank quantizes and dequantizes per second (a value through both): measured with
 #: ``tools/bench.py quant`` (Numba, bf16, block 256, one core of this project's 2-core machine:
-#: encode 1.44 + decode 0.25 ms per million values). Pass ``--codec-rate`` for yours.
-CODEC_VALUES_PER_SECOND = 590e6
+#: encode 0.76 + decode 0.23 ms per million values). Pass ``--codec-rate`` for yours.
+CODEC_VALUES_PER_SECOND = 1.0e9
 #: MPICH gathers totals below this many bytes by recursive doubling (power-of-two groups), by a
 #: ring from it on (``MPIR_CVAR_ALLGATHER_LONG_MSG_SIZE``).
 ALLGATHER_LONG = 512 * 1024
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
     add("--node-bandwidth", type=_arg(parse_rate), default=NODE_BANDWIDTH,
         help="within a node (default 100GB/s)")  # fmt: skip
     add("--codec-rate", type=_arg(_rate), default=CODEC_VALUES_PER_SECOND,
-        help="int8 values encoded and decoded per second per rank (default 590M)")  # fmt: skip
+        help="int8 values encoded and decoded per second per rank (default 1G)")  # fmt: skip
     add("--compare", action="store_true",
         help="a row per wire choice (--reduce, --gather... aside), flat and per node")  # fmt: skip
     add("--json", action="store_true", help="print every number as JSON")
