@@ -13,7 +13,6 @@ from mpirun import run_mpi
 from zero1_mpi import Communicator, build_layout
 from zero1_mpi.buckets import BucketPipeline
 from zero1_mpi.gathers import ParamGathers
-from zero1_mpi.reductions import NumpyReductions
 from zero1_mpi.topology import Topology
 from zero1_mpi.watchdog import Watchdog
 
@@ -26,8 +25,7 @@ SHAPES = {"a": (40,), "b": (60,), "c": (50,)}
 def pipeline():
     layout = build_layout(SHAPES, 1, "float32", bucket_elements=64)
     topology = Topology(Communicator(MPI.COMM_SELF), 1, owns_comm=True)
-    buckets = BucketPipeline(layout, np, np.float32, topology, False, NumpyReductions(),
-                             Watchdog(None))
+    buckets = BucketPipeline(layout, np, np.float32, topology, None, None, Watchdog(None))
     return buckets, buckets.buffer
 
 

@@ -368,7 +368,7 @@ _DECODE_ADD = r"""
 
 
 class CupyCodec:
-    """The CuPy twin: ``ElementwiseKernel``s on the current stream."""
+    """The CuPy twin: CuPy elementwise kernels on the current stream."""
 
     scratch_bytes = 0
     _kernels: ClassVar[dict] = {}
