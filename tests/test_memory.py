@@ -439,7 +439,7 @@ def test_allocations_measured_with_tracemalloc_follow_the_formula(tmp_path, n):
     model whose state exceeds the bound."""
     out = "\n" + run_mpi(n, "memory.py", str(tmp_path), timeout=240).stdout
     assert f"OK measured memory on {n} ranks" in out
-    for label in ("adamw", "sgd momentum", "sgd", "lion"):
+    for label in ("adamw", "sgd momentum", "sgd", "lion", "adamw int8 wire, error feedback"):
         assert f"\n{label}, bfloat16: " in out and f"\n{label}, float32: " in out
     if getattr(zero1_mpi, "ZeroLAMB", None) is not None:
         assert "\nlamb, bfloat16: " in out

@@ -74,7 +74,9 @@ class GroupExchange:
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        """The buffers, and the 8-bit codec's own scratch."""
+        codec = 0 if self.quantizer is None else self.quantizer.codec.scratch_bytes
+        return sum(b.nbytes for b in self.buffers) + codec
 
     def start(self, slot: int, grads, offset: int) -> Request:
         """Start sending ``grads`` (a bucket at flat ``offset``) to the group: row ``r`` (its
@@ -150,7 +152,9 @@ class AcrossGroups:
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        """The buffers, and the 8-bit codec's own scratch."""
+        codec = 0 if self.quantizer is None else self.quantizer.codec.scratch_bytes
+        return sum(b.nbytes for b in self.buffers) + codec
 
     def start(self, shard, offset: int) -> Request:
         """Start summing ``shard`` (at ``offset`` in this rank's shard arrays) over the

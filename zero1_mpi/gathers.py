@@ -104,7 +104,8 @@ class QuantizedGathers(ParamGathers):
 
     @property
     def scratch_bytes(self) -> int:
-        return self._new.nbytes + self._change.nbytes + self._packed.nbytes
+        held = self._new.nbytes + self._change.nbytes + self._packed.nbytes
+        return held + self._codec.scratch_bytes
 
     def target(self, bucket):
         return self._new[: bucket.shard_size]

@@ -57,6 +57,10 @@ RULES = (
     ("adamw stage 2 fp32 shard", ZeroAdamW,
      {"shard_gradients": True, "grad_shard_dtype": "float32", "bucket_elements": 1 << 16},
      ("exp_avg", "exp_avg_sq"), (8, 12)),
+    # the 8-bit wire: its residual booked as error_feedback (the gradients' dtype, Ψ values)
+    ("adamw int8 wire, error feedback", ZeroAdamW,
+     {"reduce_dtype": "int8", "error_feedback": True, "bucket_elements": 1 << 16},
+     ("exp_avg", "exp_avg_sq"), (8, 12)),
 )
 
 
@@ -131,15 +135,22 @@ def check_memory(what, names, k, small_pair, large_pair):
         check(abs(held - report.total) <= PYTHON_OBJECTS,
               f"{what}: memory_report().total={report.total}, measured {held}")
         numel = sum(int(np.prod(s)) for s in shapes(psi).values())
+        if "error feedback" in what:  # one residual of the full gradient, in its dtype
+            itemsize = 4 if report.param_dtype == "float32" else 2
+            check(numel * itemsize <= report.error_feedback <= (numel + 64 * size) * itemsize,
+                  f"{what}: error_feedback={report.error_feedback} for {numel} gradients")
+        else:
+            check(report.error_feedback == 0, f"{what}: error_feedback booked without it")
         check(report.psi == numel, f"{what}: memory_report().psi={report.psi}, not {numel}")
         check_report_names_the_state(what, numel, report, names, k)
     grown = large - small
-    formula_grown = large_report.formula_bytes - small_report.formula_bytes
+    formula_grown = (large_report.formula_bytes + large_report.error_feedback
+                     - small_report.formula_bytes - small_report.error_feedback)
     padding = 64 * size * 4 * 4  # one bucket's alignment, in every buffer
     check(abs(grown - formula_grown) <= padding + PYTHON_OBJECTS,
           f"{what}: {SIZES[1] - SIZES[0]} more parameters took {grown} bytes more on "
           f"rank {rank}; the formula says {formula_grown:.0f}")
-    excess = [held - r.formula_bytes for held, r in (small_pair, large_pair)]
+    excess = [held - r.formula_bytes - r.error_feedback for held, r in (small_pair, large_pair)]
     check(excess[1] - excess[0] <= padding + PYTHON_OBJECTS,
           f"{what}: the excess over the formula grew from {excess[0]:.0f} to "
           f"{excess[1]:.0f} bytes")
