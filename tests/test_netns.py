@@ -184,8 +184,11 @@ def test_8bit_wire_link_bytes_are_the_models(tmp_path):
                      "--json", str(tmp_path / "wire.json"), timeout=300)
     rows = json.loads((tmp_path / "wire.json").read_text())["rows"]
     assert len(rows) == 9, out
+    # The model's algorithms are MPICH's; Open MPI gathers these sizes by recursive doubling,
+    # which crosses the link with up to 20% more (measured: 1.15x bf16's, 1.2x int8's).
+    most = 1.1 if flavor(*launcher()) == "MPICH" else 1.25
     for r in rows:
-        assert abs(r["link_bytes"] / r["model_link_bytes"] - 1) < 0.1, r
+        assert 0.99 < r["link_bytes"] / r["model_link_bytes"] < most, r
     flat = {r["name"]: r["link_bytes"] for r in rows if r["sharding"] == "flat"}
     assert flat["int8 reduce+gather"] <= 0.55 * flat["bf16"], flat
 
