@@ -407,3 +407,12 @@ def reduce_now(opt) -> np.ndarray:
     got = np.concatenate([np.asarray(to_numpy(s), np.float64) for s in shards])
     opt.gradients.zero()
     return got
+
+
+def feedback_residuals(opt) -> list:
+    """The error-feedback residuals of ``opt``'s 8-bit wire (within the group, across the
+    groups), as NumPy copies; empty without ``error_feedback``."""
+    gradients = opt.gradients
+    parts = (gradients._exchange, gradients._across_groups)
+    return [to_numpy(p.quantizer.residual).copy() for p in parts
+            if p is not None and p.quantizer is not None and p.quantizer.residual is not None]

@@ -103,9 +103,9 @@ def test_quantization_error_is_within_half_a_step():
 
 
 @pytest.mark.parametrize("n, parts", [
-    (2, ["reduce", "gather", "overflow", "rules", "options"]),
+    (2, ["reduce", "gather", "overflow", "rules", "options", "feedback"]),
     (3, ["reduce", "overflow"]),
-    (4, ["reduce", "gather", "overflow"]),
+    (4, ["reduce", "gather", "overflow", "feedback"]),
     (6, ["reduce"]),  # 3 replicas: the sum across groups reduce-scattered, then gathered
 ])
 def test_the_8bit_paths_on_n_ranks(n, parts):

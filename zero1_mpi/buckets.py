@@ -92,6 +92,12 @@ class BucketPipeline:
         parts = (self._exchange, self._across_groups)
         return sum(p.quantizer.feedback_bytes for p in parts if p and p.quantizer)
 
+    def rescale_feedback(self, factor: float) -> None:
+        """Multiply the error-feedback residuals by ``factor`` (0: forget them)."""
+        for part in (self._exchange, self._across_groups):
+            if part is not None and part.quantizer is not None:
+                part.quantizer.rescale(factor)
+
     def ready(self, names) -> None:
         """``grads_ready``: check ``names`` (a usage error raises before any collective
         starts), then declare them final (``mark_ready``)."""

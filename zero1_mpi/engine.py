@@ -206,7 +206,9 @@ class ShardedOptimizer:
     def load(self, path):
         """Load the checkpoint at ``path`` (the directory given to ``save``, or one checkpoint
         in it), saved at any world size. Must be called on all ranks. Nothing changes if the
-        checkpoint is bad: the error is raised on every rank."""
+        checkpoint is bad: the error is raised on every rank. Error-feedback residuals, which
+        checkpoints do not hold, start again from zero."""
+        self.gradients.rescale_feedback(0.0)
         return self.persistence.load(path)
 
     def save_consolidated(self, path):
@@ -215,6 +217,7 @@ class ShardedOptimizer:
 
     def load_consolidated(self, path):
         """Load a file of ``save_consolidated``'s, saved at any world size; all ranks."""
+        self.gradients.rescale_feedback(0.0)
         return self.persistence.load_consolidated(path)
 
     def shard_state(self, lo: int, hi: int, state: int) -> dict:

@@ -39,6 +39,15 @@ class Quantizer:
     def feedback_bytes(self) -> int:
         return 0 if self.residual is None else self.residual.nbytes
 
+    def rescale(self, factor: float) -> None:
+        """Multiply the residual by ``factor`` (the loss scale's change; 0: forget it)."""
+        if self.residual is None:
+            return
+        if factor == 0:
+            self.residual.fill(0)
+        else:
+            self.residual *= self.residual.dtype.type(factor)
+
     def encode(self, values, packed, offset: int) -> None:
         """``packed`` = ``values`` (plus their residual) quantized; the residual updated."""
         residual = None if self.residual is None else self.residual[offset : offset + values.size]
@@ -158,9 +167,13 @@ class AcrossGroups:
 
     def start(self, shard, offset: int) -> Request:
         """Start summing ``shard`` (at ``offset`` in this rank's shard arrays) over the
-        replicas: nonblocking where MPI sums it in place, else done on return (``sum``)."""
+        replicas: nonblocking where MPI sums it in place; in 8 bits, deferred to the request's
+        ``wait()`` (so that no blocking collective across the groups runs during backward);
+        else done on return (``sum``)."""
         if self.quantizer is None and self._scratch is None:
             return self._comm.start_allreduce(shard)
+        if self.quantizer is not None:
+            return _Deferred(lambda: self.sum(shard, offset))
         self.sum(shard, offset)
         return DONE
 
@@ -205,3 +218,19 @@ class AcrossGroups:
             codec.decode_sum(
                 gathered[j * row : (j + 1) * row].reshape(1, row), hi - lo, total[lo:hi]
             )
+
+
+class _Deferred(Request):
+    """A collective run, blocking, at ``wait()`` (``test()`` does not start it)."""
+
+    def __init__(self, run):
+        super().__init__()
+        self._run = run
+
+    def test(self) -> bool:
+        return self._run is None
+
+    def wait(self) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run()

@@ -122,6 +122,7 @@ class QuantizedGathers(ParamGathers):
         lo, hi = bucket.shard(rank)
         change = self._change[:n]
         self._xp.subtract(self._new[:n], self._params[lo:hi], out=change, dtype=np.float32)
+        change[bucket.owned_real(rank) :] = 0  # the padding, which a kernel may leave unwritten
         packed = self._packed[slot, : self._comm.size * row]
         mine = packed[rank * row : (rank + 1) * row]
         self._codec.encode(change, mine)

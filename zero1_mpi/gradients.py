@@ -49,6 +49,10 @@ class GradientSource(Protocol):
         """Bytes of the error-feedback residuals (0 without ``error_feedback``)."""
         ...
 
+    def rescale_feedback(self, factor: float) -> None:
+        """Multiply the error-feedback residuals by ``factor``: the loss scale's change, or 0
+        to forget them (a skipped step, a load)."""
+
     def ready(self, names) -> None:
         """Declare ``names``' gradients final (starting reductions), or refuse."""
 

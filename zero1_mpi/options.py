@@ -296,8 +296,10 @@ OPTIONS = (
         False,
         _error_feedback,
         doc="with ``reduce_dtype='int8'``: keep what quantizing drops and add it to the next "
-        "step's gradients (a residual of the gradients' dtype for each compressed hop: Ψ "
-        "values within the group, Ψ/K across; ``memory_report().error_feedback``).",
+        "step's gradients (a residual for each compressed hop: Ψ values of the gradients' "
+        "dtype within the group, Ψ/K of the reduced shard's across; "
+        "``memory_report().error_feedback``); forgotten when a step is skipped or a "
+        "checkpoint loaded (checkpoints do not hold it).",
     ),
     Option(
         "gather_dtype",

@@ -55,7 +55,8 @@ bucket of ``bucket_elements``), and the link time, the link bytes over the link'
 node's ranks share one link); the step's bound sums their maximum over the collectives.
 Padding and the rounding of packed rows per bucket are ignored. Memory per rank: the ZeRO
 formula of ``zero1_mpi.memory`` with the state over K, plus error feedback's residuals (the
-gradients' dtype, for each compressed hop: Ψ values within the group, Ψ/K across). All
+gradients' dtype for each compressed hop: Ψ values within the group, Ψ/K across, in fp32
+for stage 1's fp32 sums). All
 numbers are bytes and seconds; rates are bits/s. Stdlib only: no numpy, no MPI.
 """
 
@@ -183,6 +184,8 @@ def plan(
         _fail(f"reduce={reduce!r}", "use 'float32', 'int8', or 'float16' (float16 params only)")
     if compress_hops not in ("all", "across") or (compress_hops == "across" and reduce != "int8"):
         _fail(f"compress_hops={compress_hops!r}", "use 'all', or 'across' with reduce='int8'")
+    if compress_hops == "across" and k == n:
+        _fail("compress_hops='across' with one shard group", "pass shard_group='node' or K < N")
     if gather not in (None, "int8") or (gather and dtype == "float32"):
         _fail(f"gather={gather!r}", "use None, or 'int8' with 16-bit params")
     if error_feedback and reduce != "int8":
@@ -274,7 +277,8 @@ def plan(
         result["break_even_bits"] = saved * 8 / codec_seconds if saved > 0 else 0.0
     rule = (8 if dtype == "float32" else 12) if rule_bytes is None else rule_bytes
     formula = stage_bytes(psi, k, stage, rule, dtype)
-    feedback = (b * psi if int8_within and k > 1 else 0) + (b * shard if r > 1 else 0)
+    across = 4 if stage == 1 else b  # stage 1 sums across the groups in fp32
+    feedback = (b * psi if int8_within and k > 1 else 0) + (across * shard if r > 1 else 0)
     feedback *= bool(error_feedback)
     rep = f"{b}Ψ+{b}Ψ+{rule:g}Ψ/{k}" if stage == 1 else f"{b}Ψ+{b + rule:g}Ψ/{k}"
     result["memory"] = {

@@ -117,7 +117,7 @@ class StepPipeline:
         scale = counters.scaler.scale
         grad_norm = math.sqrt(agreed.sum_sq) / (comm.size * scale)
         if not math.isfinite(grad_norm):
-            self.gradients.zero()
+            self._discard()
             if counters.scaler.at_minimum:
                 raise FloatingPointError(
                     f"the gradients hold inf or nan (grad_norm={grad_norm}) at loss scale "
@@ -157,6 +157,8 @@ class StepPipeline:
         }
         counters.step += 1
         counters.scaler = counters.scaler.update(overflow=False)
+        if counters.scaler.scale != scale:  # the residuals are in the loss scale's units
+            self.gradients.rescale_feedback(counters.scaler.scale / scale)
         return self.persistence.stop_if_asked(
             StepInfo(grad_norm, False, scale, clip, counters.step), agreed
         )
@@ -184,22 +186,28 @@ class StepPipeline:
         """Raise on every rank, nothing updated, what any rank found wrong."""
         ranks = self.comm.size
         if agreed.problems:
-            self.gradients.zero()
+            self._discard()
             self.comm.agree(problem)
         if not Agreement.same(agreed.options, agreed.options_sq, ranks):
-            self.gradients.zero()
+            self._discard()
             raise CollectiveError(
                 f"param_groups options ({', '.join(self.rule.options)}) "
                 "differ between ranks: set them to the same values on every "
                 "rank (nothing was updated)"
             )
         if not Agreement.same(agreed.order, agreed.order_sq, ranks):
-            self.gradients.zero()
+            self._discard()
             raise CollectiveError(
                 "the ranks handed their gradients over in different orders, "
                 "so their reductions did not match: hand the same tensors "
                 "over in the same order on every rank (nothing was updated)"
             )
+
+    def _discard(self) -> None:
+        """Drop this step's gradients, and the residuals their quantizing left (error
+        feedback): nothing of the step is applied."""
+        self.gradients.zero()
+        self.gradients.rescale_feedback(0.0)
 
     def _check_param_groups(self) -> str | None:
         """A message if a group's options were set to invalid values since the last step

@@ -1,7 +1,8 @@
 """The 8-bit wire (``reduce_dtype="int8"``, ``error_feedback``, ``compress_hops``,
 ``gather_dtype="int8"``) on N ranks.
 
-    mpiexec -n N python -m mpi4py tests/cases/wire.py [reduce] [gather] [overflow] [rules] [options]
+    mpiexec -n N python -m mpi4py tests/cases/wire.py [reduce] [gather] [overflow] [rules]
+        [options] [feedback]
 
 ``reduce``: every rank's reduced gradient shards equal, bit for bit, a float64 model of the
 format (``reference.int8_encode`` / ``int8_sum``: each member's rows quantized with its own
@@ -12,9 +13,15 @@ same bytes, each step's copy is within the stated bound of the masters' 16-bit r
 masters are bit for bit those of 16-bit gathers, and overlap (``grads_ready``, ``wait=False``)
 changes no bit. ``overflow``: an inf or nan in one block of one
 rank's gradient skips the step on every rank (dynamic loss scale) or raises everywhere.
+``feedback``: the residuals double with the loss scale, bit for bit, and are forgotten on a
+skipped step and on a load.
 ``rules``: every rule of the registry with 8-bit reduction and gathers against its float64
 reference on the mean of the decoded gradients. ``options``: bad values raise on every rank.
 """
+
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +32,8 @@ from zero1_mpi import ZeroAdamW, ZeroSGD
 from zero1_mpi.backend import resolve_dtype
 
 SHAPES = {"scalar": (), "vec": (7,), "mat": (5, 13), "long": (700,), "big": (3000,)}
+#: Where the ``feedback`` case saves (the same directory on every rank: rank 0's temporary one).
+DIRECTORY = world.bcast(tempfile.mkdtemp(prefix="zero1-wire-") if rank == 0 else None)
 BUCKET = 2048  # several buckets, and shards with partial blocks
 F32 = np.float32
 
@@ -250,6 +259,11 @@ def rules_case():
                         oracle.step_sum({k: v * size for k, v in means.items()})
                     else:
                         oracle.step(means)
+                copy, real = kit.shard_arrays(opt)["params"], np.zeros(opt.layout.total, bool)
+                for t in opt.layout.tensors:
+                    real[t.offset : t.offset + t.numel] = True
+                check(not np.asarray(copy, np.float32)[~real].any(),
+                      f"{where}: the parameters' padding is not zero")
                 params = {k: np.asarray(kit.to_numpy(v), np.float32) for k, v in opt.params.items()}
                 check(kit.everywhere_same(b"".join(p.tobytes() for p in params.values())),
                       f"{where}: the parameters differ between ranks")
@@ -264,6 +278,47 @@ def rules_case():
                     check(ok, f"{where}: the masters are off by {err}")
                 opt.close()
                 cases += 1
+    return cases
+
+
+def feedback_case(directory):
+    """The residuals follow the loss scale (doubled with it, bit for bit), are forgotten on a
+    skipped step and on a load."""
+    from zero1_mpi import LossScaler
+
+    cases = 0
+    for extra in (dict(), dict(shard_gradients=True)) + ((dict(shard_group_size=2),)
+                                                         if size in (4, 6) else ()):
+        where = f"feedback {extra}"
+        growing = LossScaler.dynamic_scaler(init_scale=1024.0, growth_interval=1)
+        made = [ZeroAdamW(kit.init_values(SHAPES), world, param_dtype="bfloat16",
+                          reduce_dtype="int8", error_feedback=True, bucket_elements=BUCKET,
+                          loss_scale=scale, **extra) for scale in (growing, 1024.0)]
+        for o in made:
+            kit.train(o, range(1))
+        grown, fixed = (kit.feedback_residuals(o) for o in made)
+        check(made[0].loss_scale == 2048.0 and len(grown) == len(fixed) > 0, where)
+        for a, b in zip(grown, fixed):
+            check(kit.same_bits(a, (b.astype(np.float32) * 2).astype(b.dtype)) and b.any(),
+                  f"{where}: the residual did not double with the loss scale")
+        opt = made[0]
+        opt.save(directory / f"feedback-{cases}")
+        kit.train(opt, range(1, 2))
+        check(any(r.any() for r in kit.feedback_residuals(opt)), f"{where}: no residual")
+        opt.load(directory / f"feedback-{cases}")
+        check(not any(r.any() for r in kit.feedback_residuals(opt)),
+              f"{where}: a load kept the residuals")
+        kit.train(opt, range(2, 3))
+        grads = kit.grads_of(rank, 3, SHAPES, np.float32)
+        if rank == 0:
+            grads["big"][5] = np.inf
+        kit.hand_over(opt, grads)
+        check(opt.step().skipped, f"{where}: not skipped")
+        check(not any(r.any() for r in kit.feedback_residuals(opt)),
+              f"{where}: a skipped step kept the residuals")
+        for o in made:
+            o.close()
+        cases += 1
     return cases
 
 
@@ -311,6 +366,10 @@ if __name__ == "__main__":
                                                 f"{gather_case():.2e}"),
                           "overflow": lambda: say(f"overflow: {overflow_case()} configurations"),
                           "rules": lambda: say(f"rules: {rules_case()} cases"),
-                          "options": lambda: say(f"options: {options_case()} bad values")})
+                          "options": lambda: say(f"options: {options_case()} bad values"),
+                          "feedback": lambda: say(f"feedback: {feedback_case(Path(DIRECTORY))} "
+                                                  "configurations")})
     world.Barrier()
+    if rank == 0:
+        shutil.rmtree(DIRECTORY, ignore_errors=True)
     say(f"OK 8-bit wire on {size} ranks: {', '.join(done)}")
