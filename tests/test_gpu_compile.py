@@ -35,6 +35,9 @@ EXPECTED = {
     "zero1_lamb_moments": 3, "zero1_lamb_u_sq": 1,                  # G: fp32, fp16, bf16
     "zero1_lamb_fp32": 1, "zero1_lamb_mixed": 2,                    # P
     "zero1_sum_of_squares": 9,                                      # (generic, CUB 1, 2) x 3
+    "zero1_int8_scales": 3, "zero1_int8_quantize": 3,               # the 8-bit wire: X
+    "zero1_int8_scales_feedback": 3, "zero1_int8_quantize_feedback": 3,
+    "zero1_int8_decode_sum": 1, "zero1_int8_decode_add": 3,
 }
 LINE = re.compile(r"^(ok  |FAIL) (zero1_\w+)")
 
