@@ -132,12 +132,16 @@ def test_memory_per_rank():
     assert plan(PSI, 4, 2, stage=2, bandwidth=1e9)["memory"]["formula"] == "2Ψ+14Ψ/4"
     fp32 = plan(PSI, 4, 2, dtype="float32", bandwidth=1e9)["memory"]
     assert fp32["bytes_per_rank"] == 8 * PSI + 8 * PSI / 4
-    # error feedback: a residual of the gradients' dtype per compressed hop: Ψ in, Ψ/K across
+    # error feedback: a residual per compressed hop: Ψ of the gradients' dtype within the group,
+    # Ψ/K of the reduced shard's across (fp32 in stage 1, the gradient shard's in stage 2)
     fed = plan(PSI, 4, 2, "node", reduce="int8", error_feedback=True, bandwidth=1e9)["memory"]
-    assert fed["error_feedback_bytes"] == 2 * PSI + 2 * PSI / 2
+    assert fed["error_feedback_bytes"] == 2 * PSI + 4 * PSI / 2
     across = plan(PSI, 4, 2, "node", reduce="int8", compress_hops="across",
                   error_feedback=True, bandwidth=1e9)["memory"]
-    assert across["error_feedback_bytes"] == 2 * PSI / 2
+    assert across["error_feedback_bytes"] == 4 * PSI / 2
+    stage2 = plan(PSI, 4, 2, "node", stage=2, reduce="int8", compress_hops="across",
+                  error_feedback=True, bandwidth=1e9)["memory"]
+    assert stage2["error_feedback_bytes"] == 2 * PSI / 2
     assert plan(PSI, 4, 2, rule_bytes=8, bandwidth=1e9)["memory"]["formula_bytes"] == 6 * PSI
 
 
