@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import backend
+from .exchange import WireParts
 from .views import Views
 from .watchdog import Watchdog
 
@@ -59,6 +60,8 @@ class BucketPipeline:
         self._grads = grads
         self._comm, self._shard_comm = topology.comm, topology.shard_comm
         self._exchange, self._across_groups = exchange, across
+        #: Both, for the ledger and the step (``exchange.WireParts``).
+        self.wire = WireParts(exchange, across)
         self._tensor_buckets = {
             t.name: [
                 b.index
@@ -83,20 +86,14 @@ class BucketPipeline:
     @property
     def scratch_bytes(self) -> int:
         """Bytes of the exchange's slots and of the sums across groups."""
-        parts = (self._exchange, self._across_groups)
-        return sum(part.scratch_bytes for part in parts if part is not None)
+        return self.wire.scratch_bytes
 
     @property
     def feedback_bytes(self) -> int:
-        """Bytes of the error-feedback residuals (8-bit wire with ``error_feedback``)."""
-        parts = (self._exchange, self._across_groups)
-        return sum(p.quantizer.feedback_bytes for p in parts if p and p.quantizer)
+        return self.wire.feedback_bytes
 
     def rescale_feedback(self, factor: float) -> None:
-        """Multiply the error-feedback residuals by ``factor`` (0: forget them)."""
-        for part in (self._exchange, self._across_groups):
-            if part is not None and part.quantizer is not None:
-                part.quantizer.rescale(factor)
+        self.wire.rescale_feedback(factor)
 
     def ready(self, names) -> None:
         """``grads_ready``: check ``names`` (a usage error raises before any collective

@@ -21,7 +21,7 @@ from . import backend
 from .comm import DONE, Request
 from .wire import packed_bytes
 
-__all__ = ["Quantizer", "GroupExchange", "AcrossGroups", "FP32"]
+__all__ = ["Quantizer", "GroupExchange", "AcrossGroups", "WireParts", "FP32"]
 
 FP32 = np.dtype(np.float32)
 
@@ -234,3 +234,27 @@ class _Deferred(Request):
         run, self._run = self._run, None
         if run is not None:
             run()
+
+
+class WireParts:
+    """A gradient source's wire: its ``exchange`` within the group and its sum ``across`` the
+    groups (either None), with what the ledger and the step ask of both together."""
+
+    def __init__(self, exchange, across):
+        self.exchange, self.across = exchange, across
+        self._parts = [p for p in (exchange, across) if p is not None]
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(part.scratch_bytes for part in self._parts)
+
+    @property
+    def feedback_bytes(self) -> int:
+        """Bytes of the error-feedback residuals (8-bit wire with ``error_feedback``)."""
+        return sum(p.quantizer.feedback_bytes for p in self._parts if p.quantizer)
+
+    def rescale_feedback(self, factor: float) -> None:
+        """Multiply the error-feedback residuals by ``factor`` (0: forget them)."""
+        for part in self._parts:
+            if part.quantizer is not None:
+                part.quantizer.rescale(factor)

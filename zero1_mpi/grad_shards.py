@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from . import backend
+from .exchange import WireParts
 from .views import NoFullGradients
 from .watchdog import Watchdog
 
@@ -82,6 +83,8 @@ class GradientShards:
         self._world = topology.comm
         self._comm = topology.shard_comm
         self._exchange, self._across_groups = exchange, across
+        #: Both, for the ledger and the step (``exchange.WireParts``).
+        self.wire = WireParts(exchange, across)
         #: This rank's gradient shard (the gradients it holds): ``buffer`` too.
         self.shard = self.buffer = backend.zeros(xp, layout.shard_total, shard_dtype)
         largest = max(b.size for b in layout.buckets)
@@ -116,21 +119,15 @@ class GradientShards:
     @property
     def scratch_bytes(self) -> int:
         """Bytes of the staging slots, the exchange and the sums: a few buckets, whatever Ψ."""
-        parts = (self._exchange, self._across_groups)
         own = sum(0 if a is None else a.nbytes for a in (self._slots, self._scratch))
-        return own + sum(part.scratch_bytes for part in parts if part is not None)
+        return own + self.wire.scratch_bytes
 
     @property
     def feedback_bytes(self) -> int:
-        """Bytes of the error-feedback residuals (8-bit wire with ``error_feedback``)."""
-        parts = (self._exchange, self._across_groups)
-        return sum(p.quantizer.feedback_bytes for p in parts if p and p.quantizer)
+        return self.wire.feedback_bytes
 
     def rescale_feedback(self, factor: float) -> None:
-        """Multiply the error-feedback residuals by ``factor`` (0: forget them)."""
-        for part in (self._exchange, self._across_groups):
-            if part is not None and part.quantizer is not None:
-                part.quantizer.rescale(factor)
+        self.wire.rescale_feedback(factor)
 
     # -- hand-over -----------------------------------------------------------------------------
 
