@@ -343,10 +343,12 @@ def sub_cases(table: dict, argv=None) -> list:
 def shard_arrays(opt) -> dict:
     """The flat arrays ``opt`` holds (views, not copies): ``params`` (the whole parameter
     buffer), ``grads`` (the whole gradient buffer; None with ``shard_gradients``), ``master``
-    (None where the parameters are their own master) and ``state`` (name -> array)."""
+    (the masters' array: fp32, or remainders; None where the parameters are their own master)
+    and ``state`` (name -> array)."""
     state, gradients = opt.state, opt.gradients
     return {"params": state.flat, "grads": None if gradients.sharded else gradients.buffer,
-            "master": state.master, "state": dict(state.state)}
+            "master": None if state.masters is None else state.masters.held,
+            "state": dict(state.state)}
 
 
 def snapshot(opt) -> tuple:

@@ -244,3 +244,18 @@ def int8_sum(rows, block=256):
     for scales, q in rows[1:]:
         total = _f32(total + int8_decode(scales, q, block=block))
     return total.astype(np.float32)
+
+
+def remainder_encode(master, param):
+    """The remainder masters' integer model: for fp32 ``master`` and ``param`` (its bf16
+    rounding, ties to even), ``(remainders as int16, sorted positions of the ties)``. In exact
+    integers: ``r = bits(master) - bits(param) * 2**16`` (sign-magnitude halves: the two share
+    a sign), ``|r| <= 2**15``; ``r = +2**15`` is a tie, kept as ``-2**15`` and by position."""
+    m = np.asarray(master, np.float32).view(np.uint32).astype(np.int64)
+    p = np.asarray(param).view(np.uint16).astype(np.int64) << 16
+    r = m - p
+    finite = np.isfinite(np.asarray(master, np.float32))
+    assert (np.abs(r[finite]) <= 1 << 15).all(), "param is not the master rounded to nearest"
+    ties = np.flatnonzero(r == 1 << 15)
+    r[ties] = -(1 << 15)
+    return r.astype(np.int16), ties.astype(np.int64)

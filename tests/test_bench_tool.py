@@ -1,7 +1,8 @@
-"""tools/bench.py: the command lists its eight benchmarks and each documents its options; the
-gpu benchmark says what it lacks on a machine without CuPy or a GPU; and ``step --optimizer``,
-without MPI: each registered rule's kernels against its reference on a small shard (a
-one-process stand-in for the communicator), and the kernel table."""
+"""tools/bench.py: the command lists its benchmarks and each documents its options; the gpu
+benchmark says what it lacks on a machine without CuPy or a GPU; ``step --optimizer``, without
+MPI: each registered rule's kernels against its reference on a small shard (a one-process
+stand-in for the communicator), and the kernel table; ``state``: each mode's K as measured
+equals its formula."""
 
 import importlib.util
 import re
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench.py"
-NAMES = ("step", "stage2", "checkpoint", "comm", "offload", "watchdog", "node", "gpu", "quant", "wire")
+NAMES = ("step", "stage2", "checkpoint", "comm", "offload", "watchdog", "node", "gpu", "quant", "wire",
+         "state")
 REFERENCES = {"adam": "torch_fused_adamw", "sgd": "torch_sgd_foreach", "lion": "zero1_numpy",
               "lamb": "zero1_numpy"}
 
@@ -30,7 +32,7 @@ def bench():
     return module
 
 
-def test_help_lists_the_eight_benchmarks_and_each_documents_its_options(bench, capsys):
+def test_help_lists_the_benchmarks_and_each_documents_its_options(bench, capsys):
     out = subprocess.run([sys.executable, str(BENCH), "--help"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     listed = out.split("positional arguments:")[1].split("options:")[0]
@@ -111,3 +113,17 @@ def test_two_phase_update_is_the_engines_lamb(bench):
     sums = kernel.tensor_sums(grad, theirs, *states_theirs, s)
     kernel.apply(theirs, *states_theirs, None, rule.tensor_scalars(s, sums))
     assert np.array_equal(mine, theirs) and not np.array_equal(mine, master)
+
+
+def test_state_modes_measure_their_bytes_per_parameter(tmp_path):
+    import json
+    out = tmp_path / "state.json"
+    subprocess.run([sys.executable, str(BENCH), "state", "--params", "200K", "--steps", "2",
+                    "--kernels", "numpy", "--json", str(out)], capture_output=True, text=True,
+                   timeout=300, check=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["k_formula"]) for r in rows] == [("fp32 masters", 12),
+                                                          ("remainder masters", 10)]
+    for r in rows:  # the sharded bytes of one rank: K per parameter, and a few ties at most
+        assert r["k_formula"] <= r["k"] < r["k_formula"] + 0.01 and r["step_ms"] > 0
+    assert rows[0]["ratio"] == 1.0

@@ -38,6 +38,7 @@ EXPECTED = {
     "zero1_int8_scales": 3, "zero1_int8_quantize": 3,               # the 8-bit wire: X
     "zero1_int8_scales_feedback": 3, "zero1_int8_quantize_feedback": 3,
     "zero1_int8_decode_sum": 1, "zero1_int8_decode_add": 3,
+    "zero1_remainder_decode": 1, "zero1_remainder_encode": 1,       # bf16 masters' remainders
 }
 LINE = re.compile(r"^(ok  |FAIL) (zero1_\w+)")
 

@@ -89,7 +89,8 @@ def test_the_package_has_no_import_loop():
 LAYERS = (
     ("pure: stdlib, numpy", {"layout", "memory", "scaler", "progress", "launcher", "rule",
                              "rules.options", "watchdog", "views"}),
-    ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions", "wire"}),
+    ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions", "wire",
+                        "masters"}),
     ("the engine's parts", {"topology", "exchange", "gathers", "buckets", "grad_shards", "gradients",
                             "offload", "state", "step", "checkpoint", "export", "preemption",
                             "persistence", "options", "configure", "ledger", "nccl"}),

@@ -232,8 +232,10 @@ def drive(recorder):
     parameters (fp32 gradients) and with 16-bit ones (gradients in the parameter dtype, as
     summed over ranks in it or on one rank, or fp32 after a 16-bit exchange summed in fp32);
     then the engine's reductions on every gradient dtype (LAMB's sums of squares of the fp32
-    masters come with it), and the 8-bit wire codec on every dtype (with error feedback).
+    masters come with it), the 8-bit wire codec on every dtype (with error feedback), and the
+    remainder masters' decode and encode.
     """
+    from zero1_mpi.masters import _cuda_kernel
     from zero1_mpi.reductions import reductions_for
     from zero1_mpi.rules.registry import builtin_rules
     from zero1_mpi.wire import codec_for, packed_bytes
@@ -286,6 +288,16 @@ def drive(recorder):
             yield case, exc
         else:
             yield case, None
+    case = "the remainder masters (decode, encode)"
+    try:
+        _cuda_kernel("decode")(fake_array(cupy, (N,), np.uint16), fake_array(cupy, (N,), np.int16),
+                               fake_array(cupy, (N,), np.int32))
+        _cuda_kernel("encode")(fake_array(cupy, (N,), np.int32), fake_array(cupy, (N,), np.uint16),
+                               fake_array(cupy, (N,), np.int16), fake_array(cupy, (N,), np.bool_))
+    except Exception as exc:  # noqa: BLE001
+        yield case, exc
+    else:
+        yield case, None
 
 
 def kernel_sites(package: Path) -> tuple[list, list]:

@@ -26,7 +26,6 @@ from typing import cast
 
 import numpy as np
 
-from . import backend
 from .backend import to_numpy
 from .params import group_record, restore_options
 from .scaler import LossScaler
@@ -509,8 +508,8 @@ def load(comm, state, counters, path) -> Path:
             for start in range(lo, hi, CHUNK):
                 stop = min(hi, start + CHUNK)
                 columns = slice(column + start - lo, column + stop - lo)
-                for row, view in enumerate(row_views(state, start, stop, first + start - lo)):
-                    view[...] = backend.like(view, maps[file][row, columns])  # exact casts
+                rows = {row: maps[file][i, columns] for i, row in enumerate(state.rows)}
+                state.write(start, stop, first + start - lo, rows)  # exact casts
         del maps
         state.publish()
         counters.restore(*saved)

@@ -222,9 +222,15 @@ class ShardedOptimizer:
 
     def shard_state(self, lo: int, hi: int, state: int) -> dict:
         """This rank's state over the flat parameter range ``[lo, hi)`` that it owns, starting
-        at ``state`` in its shard arrays (``layout.owned(shard_rank)``): a view per name of
-        ``state_rows``. Writing into them changes the optimizer: ``gather_params()`` after."""
+        at ``state`` in its shard arrays (``layout.owned(shard_rank)``): an array per name of
+        ``state_rows`` (fp32; a copy where a row is not kept in fp32). To change them:
+        ``write_shard_state``."""
         return self.state.views(lo, hi, state)
+
+    def write_shard_state(self, lo: int, hi: int, state: int, values: dict) -> None:
+        """Set rows of ``shard_state`` over ``[lo, hi)`` (by name; fp32 values; no "param":
+        the masters rounded); then ``gather_params()`` on all ranks."""
+        self.state.write(lo, hi, state, values)
 
     def gather_params(self) -> None:
         """All-gather the parameters, blocking (after writing ``shard_state()``); all ranks."""

@@ -21,7 +21,6 @@ from typing import BinaryIO, cast
 
 import numpy as np
 
-from . import backend
 from .backend import to_numpy
 from .checkpoint import CHUNK, CheckpointError, check_rule, read_counters
 from .params import group_record
@@ -110,23 +109,21 @@ def load_consolidated(comm, state, counters, path) -> Path:
     comm.agree(error)
 
     with comm.abort_on_error(f"while reading {file}"), open(file, "rb") as f:
-        buffer = np.empty(CHUNK, np.float32)
+        buffer = np.empty((len(_rows(state)), CHUNK), np.float32)
         for lo, hi, first in state.layout.owned(state.shard_rank):
             for tensor, a, b in state.layout.pieces(lo, hi):
                 for start in range(a, b, CHUNK):
                     stop = min(b, start + CHUNK)
-                    views = state.views(start, stop, first + start - lo)
-                    for kind in _rows(state):
+                    rows = {}
+                    for i, kind in enumerate(_rows(state)):
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
-                        chunk = buffer[: stop - start]
+                        chunk = buffer[i, : stop - start]
                         if f.readinto(chunk.view(np.uint8).data) != chunk.nbytes:
                             raise CheckpointError(f"{file} ended early")
-                        views[kind][...] = backend.like(views[kind], chunk)
-                    if "param" in views:  # the 16-bit parameters are the rounded masters
-                        views["param"][...] = backend.like(views["param"], views["master"]).astype(
-                            state.dtype
-                        )
+                        rows[kind] = chunk
+                    # (no "param": the 16-bit parameters become the masters rounded)
+                    state.write(start, stop, first + start - lo, rows)
         state.publish()
         counters.restore(*saved)
     return file

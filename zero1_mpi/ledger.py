@@ -23,16 +23,15 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
     ``backend``: the parameters' (``"cupy"``: MPI's staging buffers are the host's)."""
     layout, comm = state.layout, state.topology.comm
     psi, owned = layout.numel, layout.owned_real(state.shard_rank)
-    grads = gradients.buffer
+    grads, masters = gradients.buffer, state.masters
     real = {
         "parameters": psi * state.dtype.itemsize,
         "gradients": (owned if gradients.sharded else psi) * grads.dtype.itemsize,
-        "master_weights": 0 if state.master is None else owned * FP32_BYTES,
+        "master_weights": 0 if masters is None else masters.real_bytes(owned),
     }
     state_bytes = dict.fromkeys(state.state, owned * FP32_BYTES)
-    sharded = [a for a in (state.master, *state.state.values()) if a is not None]
     sharded_real = real["master_weights"] + sum(state_bytes.values())
-    held = sum(a.nbytes for a in sharded)
+    held = sum(a.nbytes for a in state.state.values()) + (0 if masters is None else masters.nbytes)
     device = state.flat.nbytes + grads.nbytes + (0 if state.on_host else held)
     padding = (
         device - real["parameters"] - real["gradients"] - (0 if state.on_host else sharded_real)
@@ -60,4 +59,5 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         grad_shard_dtype=grads.dtype.name if gradients.sharded else None,
         checkpoint_buffer=persistence.snapshot_bytes,
         error_feedback=gradients.feedback_bytes,
+        masters="fp32" if masters is None else masters.kind,
     )

@@ -45,6 +45,7 @@ __all__ = [
 
 REDUCE_DTYPES = ("float32", "float16", "int8")
 COMPRESS_HOPS = ("all", "across")
+MASTERS = ("auto", "fp32", "remainder")
 #: Staging buckets of stage 2: one bucket filling while the one before it is reduced (the
 #: order of a backward pass); a bucket waiting for a late tensor holds one the while.
 DEFAULT_STAGING = 2
@@ -195,6 +196,35 @@ def _offload_threads(value, checked):
             )
         return None
     return resolve_threads(value, len(checked["node"]))
+
+
+def _masters(value, checked):
+    if value not in MASTERS:
+        raise ValueError(
+            f"masters={value!r} is not understood: use 'auto' (remainders where they apply, "
+            "else fp32), 'fp32' or 'remainder' (bfloat16 parameters: 2 bytes a master)"
+        )
+    dtype, why = checked["param_dtype"], None
+    if dtype == np.float32:
+        why = "param_dtype is float32, whose shard is its own master"
+    elif dtype == np.float16:
+        why = (
+            "param_dtype is float16, whose 5 exponent bits do not span fp32's: a master is "
+            "not its float16 rounding and 16 more bits (2**-30 rounds to 0)"
+        )
+    elif checked["offload"] is not None:
+        why = "offload='cpu' keeps fp32 masters on the host (remainders there: not yet)"
+    elif checked["gather_dtype"] is not None:
+        why = (
+            "gather_dtype='int8' keeps an approximation of the parameters, and a remainder "
+            "completes the exact one"
+        )
+    if value == "remainder" and why:
+        raise ValueError(
+            f"masters='remainder' keeps the 16 bits a bfloat16 parameter lacks, but {why}: "
+            "use masters='fp32' (or 'auto')"
+        )
+    return "remainder" if value != "fp32" and not why else "fp32"
 
 
 def _shard_gradients(value, checked):
@@ -357,6 +387,17 @@ OPTIONS = (
         None,
         _offload_threads,
         doc="the host kernel's threads with ``offload='cpu'`` (None: the cores this rank may use).",
+    ),
+    Option(
+        "masters",
+        "str",
+        "auto",
+        _masters,
+        doc="how this rank keeps the fp32 master weights of 16-bit parameters: ``'fp32'``, "
+        "or ``'remainder'`` (bfloat16: the 16 bits the parameter lacks, 2 bytes a "
+        "parameter instead of 4, the same masters bit for bit; ``zero1_mpi.masters``). "
+        "``'auto'``: remainders for bfloat16 parameters unless ``offload`` or "
+        "``gather_dtype`` is set, else fp32. ``opt.options.masters`` tells which.",
     ),
     Option(
         "shard_gradients",

@@ -1,10 +1,10 @@
-"""The sharded state: this rank's full copy of the parameters, and for its own shard the fp32
-master weights and the rule's state, with the kernel that updates them.
+"""The sharded state: this rank's full copy of the parameters, and for its own shard the master
+weights (``masters.py`` keeps them) and the rule's state, with the kernel that updates them.
 
 ``ShardedState`` keeps the shard with the parameters (the device, or the host for NumPy);
 ``HostState`` (``offload="cpu"``) keeps it on the host, updated there with ``offload``'s copies and
 threaded kernel; ``sharded_state`` builds the one the options ask for. Their interface is all the
-rest of the package sees: ``params`` (views by name), ``rows`` and ``views(lo, hi, state)`` (what
+rest of the package sees: ``params`` (views by name), ``rows``, ``views`` and ``write`` (what
 checkpoints and exports read and write, then ``publish()``), ``seed(arrays)`` (rank 0's initial
 values), ``update(reduced, scalars, step)`` (the rule's kernel over the shard, each bucket's
 all-gather started as its new shard lands in the parameter buffer) and ``wait()`` for those gathers.
@@ -21,6 +21,7 @@ import numpy as np
 
 from . import backend
 from .gathers import ParamGathers, param_gathers
+from .masters import Fp32Masters, masters_for
 from .offload import HostShard, ThreadedKernel, each_tensor_sums
 from .reductions import resolve_cpu_kernel
 from .views import Views
@@ -48,11 +49,14 @@ class ShardedState:
         self.layout, self.topology, self.rule, self.dtype = layout, topology, rule, dtype
         self.shard_rank, self.watch, self._xp = topology.shard_rank, watch, xp
         self.mixed = dtype != FP32
+        self.masters_kind = "fp32" if options is None else options.masters
         #: The flat parameter buffer (every rank's full copy); ``params``: its views by name.
         self.flat = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
         self.params: Mapping = Views(layout, self.flat, before_read)
         largest = max(b.shard_size for b in layout.buckets)
         self._allocate(layout.shard_total, largest)
+        #: The most elements one kernel call takes (remainder masters: a cache-sized chunk).
+        self._chunk = max(1, largest if self.masters is None else self.masters.chunk)
         self.gathers: ParamGathers = (
             ParamGathers(layout, self.flat, topology.shard_comm, watch)
             if options is None
@@ -67,11 +71,17 @@ class ShardedState:
         )
 
     def _allocate(self, n: int, largest: int) -> None:
-        """The shard's arrays (fp32 masters for 16-bit parameters; for fp32 ones the
-        parameter buffer's own range is the master) and the kernel."""
+        """The shard's arrays (the masters for 16-bit parameters, as ``masters_kind`` says; for
+        fp32 ones the parameter buffer's own range is the master) and the kernel."""
         xp = self._xp
         self.kernel_kind = "cupy" if xp is not np else resolve_cpu_kernel()
-        self.master: Any = xp.zeros(n, FP32) if self.mixed else None
+        self.masters: Any = (
+            masters_for(
+                self.masters_kind, n, largest, xp, self.kernel_kind, self.rule.tensor_sums > 0
+            )
+            if self.mixed
+            else None
+        )
         self.state = {name: xp.zeros(n, FP32) for name in self.rule.state_names}
         self.kernel = self.rule.kernel(self.kernel_kind, largest)
 
@@ -90,16 +100,38 @@ class ShardedState:
 
     def views(self, lo: int, hi: int, state: int) -> dict:
         """This rank's state over the flat range ``[lo, hi)``, a range it owns that starts at
-        ``state`` in its shard arrays (``layout.owned(shard_rank)`` lists them): a view by
-        name for each of ``rows``. Writing into them changes the state: ``publish()`` after."""
+        ``state`` in its shard arrays (``layout.owned(shard_rank)`` lists them): by name for
+        each of ``rows``, an fp32 array (a view, or a copy where a row is kept otherwise) or
+        the 16-bit ``param``. ``write`` changes them, then ``publish()``."""
         s = slice(state, state + hi - lo)
         views = {
-            "master": self.flat[lo:hi] if self.master is None else self.master[s],
+            "master": self.flat[lo:hi]
+            if self.masters is None
+            else self.masters.read(s, self.flat[lo:hi]),
             **{name: array[s] for name, array in self.state.items()},
         }
         if self.mixed:
             views["param"] = self.flat[lo:hi]
         return views
+
+    def write(self, lo: int, hi: int, state: int, values: dict) -> None:
+        """Set the rows of ``values`` (by name, fp32 or wider values) over ``[lo, hi)`` as
+        ``views`` names them; with ``"master"`` and no ``"param"``, the 16-bit parameters
+        become the masters rounded (remainder masters always round them). Exact casts;
+        ``publish()`` after."""
+        s, param = slice(state, state + hi - lo), self.flat[lo:hi]
+        for name, value in values.items():
+            if name in self.state:
+                self.state[name][s] = backend.like(self.state[name], value)
+        if "master" not in values:
+            return
+        if self.masters is None:  # fp32 parameters: the parameter is the master
+            param[...] = backend.like(param, values["master"])
+            return
+        self.masters.write(s, values["master"], param)
+        if self.mixed and self.masters.kind == "fp32":
+            rounded = backend.like(param, values.get("param", values["master"]))
+            param[...] = rounded.astype(self.dtype)
 
     def publish(self) -> None:
         """All-gather the parameters, blocking, after ``views`` were written; all ranks."""
@@ -123,11 +155,10 @@ class ShardedState:
             comm.bcast(target)
             if self.mixed:
                 self.flat[span] = target.astype(self.dtype)
-            if self.master is not None:
+            if self.masters is not None:
                 lo, hi = bucket.shard(self.shard_rank)
-                self.master[bucket.state] = backend.like(
-                    self.master, target[lo - bucket.offset : hi - bucket.offset]
-                )
+                piece = target[lo - bucket.offset : hi - bucket.offset]
+                self.masters.write(bucket.state, piece, self.flat[lo:hi])
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -158,7 +189,8 @@ class ShardedState:
 
     def scratch_bytes(self) -> tuple[int, int]:
         """Bytes held for the update beside the arrays: ``(with the parameters, on the host)``."""
-        return self.kernel.scratch_bytes + self.gathers.scratch_bytes, 0
+        masters = 0 if self.masters is None else self.masters.scratch_bytes
+        return self.kernel.scratch_bytes + self.gathers.scratch_bytes + masters, 0
 
     def wait(self) -> None:
         """Complete the all-gathers in flight."""
@@ -182,16 +214,24 @@ class ShardedState:
         done (None: after the last), so that their all-gathers may start."""
         return [] if bucket is None else [bucket.index]
 
-    def _arrays(self, bucket, a: int, b: int) -> tuple:
+    def _arrays(self, bucket, a: int, b: int, at: int = 0) -> tuple:
         """``(master, states, param or None)`` over ``[a, b)`` of this rank's shard of
-        ``bucket``, where the kernel updates them; for fp32 parameters the master is the
-        parameter range itself."""
+        ``bucket``, where the kernel updates them (``_stored`` after); for fp32 parameters the
+        master is the parameter range itself. ``at``: where decoded masters go in the
+        scratch (ranges used together: apart)."""
         lo, _ = bucket.shard(self.shard_rank)
         st = slice(bucket.state.start + a, bucket.state.start + b)
         states = [state[st] for state in self.state.values()]
         if self.mixed:
-            return self.master[st], states, self.gathers.target(bucket)[a:b]
+            master = self.masters.load(st, at, self.flat[lo + a : lo + b])
+            return master, states, self.gathers.target(bucket)[a:b]
         return self.flat[lo + a : lo + b], states, None
+
+    def _stored(self, bucket, a: int, b: int, master, param) -> None:
+        """Keep what the kernel wrote over ``[a, b)`` of ``bucket`` (``_arrays``' arrays)."""
+        if param is not None:
+            st = slice(bucket.state.start + a, bucket.state.start + b)
+            self.masters.store(st, master, param)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -199,15 +239,23 @@ class ShardedState:
         """Update this rank's shard of ``bucket``: per param group, or per tensor piece."""
         if self.rule.tensor_sums:
             for index, _, a, b in cast(list, self._pieces)[bucket.index]:  # two-phase: a list
-                master, states, param = self._arrays(bucket, a, b)
-                self.kernel.apply(master, *states, param, scalars[index])
+                for c, d in self._calls(a, b):
+                    master, states, param = self._arrays(bucket, c, d)
+                    self.kernel.apply(master, *states, param, scalars[index])
+                    self._stored(bucket, c, d, master, param)
             return
         lo, hi = bucket.shard(self.shard_rank)
         for (group_lo, group_hi), s in zip(self.layout.groups, scalars):
             a, b = max(lo, group_lo) - lo, min(hi, group_hi) - lo
-            if a < b:
-                master, states, param = self._arrays(bucket, a, b)
-                self.kernel(grads[a:b], master, *states, param, s)
+            for c, d in self._calls(a, b):
+                master, states, param = self._arrays(bucket, c, d)
+                self.kernel(grads[c:d], master, *states, param, s)
+                self._stored(bucket, c, d, master, param)
+
+    def _calls(self, a: int, b: int):
+        """``[a, b)`` cut into the ranges of one elementwise kernel call each (the bits do
+        not depend on the cut)."""
+        return ((c, min(b, c + self._chunk)) for c in range(a, b, self._chunk))
 
     def _per_tensor_scalars(self, shards, scalars, step: int) -> dict:
         """Phase one of a two-phase rule: the kernel's partial sums over each tensor piece
@@ -220,7 +268,7 @@ class ShardedState:
         for (bucket, grads), pieces in zip(shards, all_pieces):
             calls = []
             for _, group, a, b in pieces:
-                master, states, _ = self._arrays(bucket, a, b)
+                master, states, _ = self._arrays(bucket, a, b, at=a)  # whole: one sum a piece
                 calls.append((grads[a:b], master, *states, scalars[group]))
             for (index, *_), partial in zip(pieces, each_tensor_sums(self.kernel, calls)):
                 sums[index] += partial
@@ -254,7 +302,7 @@ class HostState(ShardedState):
         self.copies = HostShard(
             self.layout, self.shard_rank, self.flat, self.rule.state_names, self.mixed
         )
-        self.master, self.state = self.copies.master, self.copies.state
+        self.masters, self.state = Fp32Masters(self.copies.master), self.copies.state
         self.kernel = ThreadedKernel(
             lambda: self.rule.kernel(self.kernel_kind, largest), self._threads
         )
@@ -278,13 +326,13 @@ class HostState(ShardedState):
     def _landed(self, bucket) -> list[int]:
         return self.copies.drain() if bucket is None else self.copies.push(bucket)
 
-    def _arrays(self, bucket, a: int, b: int) -> tuple:
+    def _arrays(self, bucket, a: int, b: int, at: int = 0) -> tuple:
         """The host arrays; the kernel's 16-bit output goes to the host copy that ``push``
         sends (fp32: the host master itself is sent)."""
         st = slice(bucket.state.start + a, bucket.state.start + b)
         params16 = self.copies.params16
         return (
-            self.master[st],
+            self.masters.array[st],
             [state[st] for state in self.state.values()],
             None if params16 is None else params16[st],
         )

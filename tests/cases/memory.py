@@ -8,9 +8,10 @@ dtype or fp32), fp32 and bf16 parameters and two model sizes Ψ, on every rank:
 - what the optimizer holds after a step equals ``memory_report().total`` (within the few KB of
   Python objects around the arrays);
 - the report names the rule's state arrays, its K (bytes per parameter of the sharded part:
-  Adam 12, SGD 8 or 4 without momentum, Lion 8; 4 less for fp32) is the rule's, and summed over
-  ranks each state array and the master weights hold 4 bytes per parameter: every byte of
-  state in its own category once (none reported as padding);
+  Adam 12, SGD 8 or 4 without momentum, Lion 8, with fp32 masters; 2 less with bf16's default
+  remainder masters, 4 less for fp32 parameters) is the rule's, and summed over ranks each
+  state array holds 4 bytes per parameter and the masters theirs: every byte of state in its
+  own category once (none reported as padding);
 - what it holds grows with Ψ exactly as the formula does (2Ψ + 2Ψ + KΨ/N, or 4Ψ + 4Ψ + KΨ/N
   for fp32; with gradient sharding 2Ψ + (G + K)Ψ/N, G the gradient shard's bytes), up to the
   padding of the last bucket: state that is not sharded (an exp_avg of full length, say)
@@ -34,7 +35,7 @@ import zero1_mpi
 from casekit import check
 from zero1_mpi import ZeroAdamW, ZeroLion, ZeroSGD
 from zero1_mpi.checkpoint import CHUNK
-from zero1_mpi.memory import stage1_bytes, stage1_fp32_bytes
+from zero1_mpi.memory import MASTER_BYTES, stage1_bytes, stage1_fp32_bytes
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -45,22 +46,23 @@ DTYPES = ("float32", "bfloat16")
 #: (label, optimizer class or None when absent, options, its state arrays, K per dtype above);
 #: the expectations are written out here, not taken from the rules.
 RULES = (
-    ("adamw", ZeroAdamW, {}, ("exp_avg", "exp_avg_sq"), (8, 12)),
-    ("sgd momentum", ZeroSGD, {"momentum": 0.9}, ("momentum_buffer",), (4, 8)),
-    ("sgd", ZeroSGD, {}, (), (0, 4)),
-    ("lion", ZeroLion, {}, ("exp_avg",), (4, 8)),
-    ("lamb", getattr(zero1_mpi, "ZeroLAMB", None), {}, ("exp_avg", "exp_avg_sq"), (8, 12)),
+    ("adamw", ZeroAdamW, {}, ("exp_avg", "exp_avg_sq"), (8, 10)),
+    ("adamw, fp32 masters", ZeroAdamW, {"masters": "fp32"}, ("exp_avg", "exp_avg_sq"), (8, 12)),
+    ("sgd momentum", ZeroSGD, {"momentum": 0.9}, ("momentum_buffer",), (4, 6)),
+    ("sgd", ZeroSGD, {}, (), (0, 2)),
+    ("lion", ZeroLion, {}, ("exp_avg",), (4, 6)),
+    ("lamb", getattr(zero1_mpi, "ZeroLAMB", None), {}, ("exp_avg", "exp_avg_sq"), (8, 10)),
     # gradient sharding (stage 2): the gradient shard in the parameters' dtype, or fp32; buckets
     # small enough that both sizes fill the 2 staging buckets (their scratch is then constant)
     ("adamw stage 2", ZeroAdamW, {"shard_gradients": True, "bucket_elements": 1 << 16},
-     ("exp_avg", "exp_avg_sq"), (8, 12)),
+     ("exp_avg", "exp_avg_sq"), (8, 10)),
     ("adamw stage 2 fp32 shard", ZeroAdamW,
      {"shard_gradients": True, "grad_shard_dtype": "float32", "bucket_elements": 1 << 16},
-     ("exp_avg", "exp_avg_sq"), (8, 12)),
+     ("exp_avg", "exp_avg_sq"), (8, 10)),
     # the 8-bit wire: its residual booked as error_feedback (the gradients' dtype, Ψ values)
     ("adamw int8 wire, error feedback", ZeroAdamW,
      {"reduce_dtype": "int8", "error_feedback": True, "bucket_elements": 1 << 16},
-     ("exp_avg", "exp_avg_sq"), (8, 12)),
+     ("exp_avg", "exp_avg_sq"), (8, 10)),
 )
 
 
@@ -105,12 +107,14 @@ def check_report_names_the_state(what, psi, report, names, k):
         expected = param * psi + (grad + k) * psi / size
     check(report.formula_bytes == expected,
           f"{what}: formula_bytes={report.formula_bytes}, expected {expected}")
-    mixed = report.param_dtype != "float32"
+    master = MASTER_BYTES[report.masters] if report.param_dtype != "float32" else 0
     sums = comm.allreduce(np.array([report.master_weights] + [report.state[n] for n in names],
                                    np.int64)).tolist()
-    expected = [4 * psi if mixed else 0] + [4 * psi] * len(names)
+    # (every master holds the same value: no tie, or all of them; they are not)
+    expected = [master * psi] + [4 * psi] * len(names)
     check(sums == expected, f"{what}: over {size} ranks master_weights and {names} hold "
-                            f"{sums} bytes, expected {expected} (4 per parameter each)")
+                            f"{sums} bytes, expected {expected} (per parameter: {master} a "
+                            "master, 4 a state array)")
 
 
 def check_held_memory():

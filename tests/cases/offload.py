@@ -81,7 +81,13 @@ def check_memory(plain, off, dtype):
           f"the group's host state {held} != K Psi = {ours.bytes_per_param} * {ours.psi}")
     check(abs(ours.host_formula_bytes - held / off.shard_group_size) < 1e-6 * held + 1,
           "host formula is not K Psi / N")
-    extra = 4 * ours.psi if dtype == "float32" else 0  # fp32 offload keeps its own master
+    # fp32 offload keeps its own master; not offloaded, bf16 masters are remainders (2 bytes
+    # each and 8 a tie) where offloaded ones are fp32
+    extra = 4 * ours.psi if dtype == "float32" else 0
+    if theirs.masters == "remainder":
+        ties = group.allreduce(theirs.master_weights) - 2 * ours.psi
+        check(ties >= 0 and ties % 8 == 0, f"the ties' bytes {ties}")
+        extra = 2 * ours.psi - ties
     check(group.allreduce(ours.optimizer_state - theirs.optimizer_state) == extra,
           "offloading changed the sharded state's size")
     check(theirs.host_bytes == 0 and theirs.device_bytes == theirs.total, "non-offloaded split")

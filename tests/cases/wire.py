@@ -181,7 +181,7 @@ def gather_case():
                           f"{err.max()} off, above the bound {bound[np.argmax(err - bound)]}")
                     scale = np.abs(target.astype(np.float64)).max(initial=1e-30)
                     worst = max(worst, float(err.max() / scale))
-            check(kit.same_bits(kit.shard_arrays(opt)["master"], kit.shard_arrays(plain)["master"]),
+            check(kit.same_bits(kit.state_rows(opt)["master"], kit.state_rows(plain)["master"]),
                   f"{where}: the masters differ from those of 16-bit gathers")
             check(all(kit.same_bits(opt.params[k], overlapped.params[k]) for k in SHAPES),
                   f"{where}: overlapped (grads_ready, wait=False) differs")

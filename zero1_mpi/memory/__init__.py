@@ -22,6 +22,7 @@ __all__ = [
     "STAGE1_FP32",
     "MIXED_DTYPES",
     "FP32_DTYPES",
+    "MASTER_BYTES",
     "bytes_per_param",
     "stage_terms",
     "stage_bytes",
@@ -48,6 +49,9 @@ STAGE1_FP32 = ((4, 4), (4, 4))
 
 #: Parameter dtypes with an fp32 master copy in the shard (the seed's 16-bit case) and without.
 MIXED_DTYPES, FP32_DTYPES = ("float16", "bfloat16"), ("float32",)
+#: Bytes per parameter of the master weights kept apart from 16-bit params, by ``masters``:
+#: fp32, or (bf16 params) the 16 bits the parameter lacks (ties apart: ``zero1_mpi.masters``).
+MASTER_BYTES = {"fp32": 4, "remainder": 2}
 
 _UNITS = (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3))
 
@@ -81,11 +85,14 @@ def _check_k(k):
     return k
 
 
-def bytes_per_param(state_names, param_dtype: str = "float16") -> int:
+def bytes_per_param(state_names, param_dtype: str = "float16", masters: str = "fp32") -> int:
     """K, the bytes per parameter of the sharded part: 4 per fp32 state array in
-    ``state_names``, plus the fp32 master's 4 for 16-bit params (fp32 params are their own)."""
+    ``state_names``, plus the master's for 16-bit params (``MASTER_BYTES[masters]``: fp32's
+    4, a remainder's 2; fp32 params are their own)."""
+    if masters not in MASTER_BYTES:
+        raise ValueError(f"masters={masters!r} is not known: use one of {', '.join(MASTER_BYTES)}")
     if param_dtype in MIXED_DTYPES:
-        master = 4
+        master = MASTER_BYTES[masters]
     elif param_dtype in FP32_DTYPES:
         master = 0
     else:
@@ -281,7 +288,9 @@ class MemoryReport:
     ``parameters``/``gradients``: the Ψ real elements of the replicated flat buffers.
     ``master_weights`` and ``state`` (by state array name, in the rule's order: Adam's
     ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer`` or nothing; Lion's ``exp_avg``): the
-    real elements of this rank's shard (``master_weights`` is 0 for float32 params).
+    real elements of this rank's shard (``master_weights`` is 0 for float32 params;
+    ``masters``: how they are kept, ``"fp32"`` or ``"remainder"``: 2 bytes each, plus 8 per
+    tie, ``zero1_mpi.masters``).
     ``padding``: every padding element of all those buffers. ``comm_scratch``: everything else
     held for a step (staging, reduce buffers). So ``total`` is the nbytes of everything held,
     and summed over ranks ``total - formula_bytes`` equals ``padding + comm_scratch`` exactly.
@@ -316,6 +325,7 @@ class MemoryReport:
     grad_shard_dtype: str | None = None
     checkpoint_buffer: int = 0
     error_feedback: int = 0
+    masters: str = "fp32"
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
@@ -354,6 +364,10 @@ class MemoryReport:
                 f"MemoryReport.grad_shard_dtype={self.grad_shard_dtype!r} must be "
                 f"None (stage 1) or one of {', '.join(MIXED_DTYPES + FP32_DTYPES)}"
             )
+        if self.masters not in MASTER_BYTES:
+            raise ValueError(
+                f"MemoryReport.masters={self.masters!r} must be one of {', '.join(MASTER_BYTES)}"
+            )
         if self.rule is not None and not isinstance(self.rule, str):
             raise ValueError(
                 f"MemoryReport.rule={self.rule!r} must be a rule name such as 'adam', or None"
@@ -371,6 +385,7 @@ class MemoryReport:
                 self.rule,
                 self.offloaded,
                 self.grad_shard_dtype,
+                self.masters,
             )
         )
 
@@ -398,7 +413,7 @@ class MemoryReport:
         """K: the sharded part's bytes per parameter, from the state arrays and the dtype (and
         offloaded fp32 params' host master)."""
         own_master = 4 if self.offloaded and self.param_dtype in FP32_DTYPES else 0
-        return bytes_per_param(self.state, self.param_dtype) + own_master
+        return bytes_per_param(self.state, self.param_dtype, self.masters) + own_master
 
     @property
     def host_bytes(self) -> int:
