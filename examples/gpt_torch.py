@@ -71,13 +71,18 @@ parser.add_argument("--schedule", default="constant", choices=["constant", "cosi
                     help="the learning rate (a torch LR scheduler drives it either way)")
 parser.add_argument("--warmup", type=int, default=20, help="warm-up steps of --schedule cosine")
 parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                    help="parameters and gradients (the master weights are fp32 either way)")
+                    help="parameters and gradients (the master weights: see --masters)")
 parser.add_argument("--reduce-dtype", default="float32", choices=["float32", "int8"],
                     help="the gradients on the wire: 16-bit summed in fp32, or 8-bit blocks")
 parser.add_argument("--gather-dtype", default=None, choices=["int8"],
                     help="the parameters' all-gather in 8-bit blocks (default: their dtype)")
 parser.add_argument("--error-feedback", action="store_true",
                     help="with --reduce-dtype int8: carry what quantizing drops to the next step")
+parser.add_argument("--masters", default="auto", choices=["auto", "fp32", "remainder"],
+                    help="how bf16 parameters' fp32 masters are kept (auto: 16-bit remainders)")
+parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                    help="how Adam's moments are kept (bfloat16: rounded stochastically; "
+                    "int8: blockwise 8-bit)")
 parser.add_argument("--losses", metavar="FILE", help="write every step's loss (JSON), rank 0")
 parser.add_argument("--reference", default="none", choices=["none", "ddp", "fused"])
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -239,7 +244,8 @@ def setup_zero1(model):
     opt = ZeroOptimizer(groups, "adamw", comm, module=model, lr=args.lr, betas=(0.9, 0.95),
                         max_grad_norm=MAX_NORM, param_dtype=args.dtype, overlap=True,
                         reduce_dtype=args.reduce_dtype, gather_dtype=args.gather_dtype,
-                        error_feedback=args.error_feedback)
+                        error_feedback=args.error_feedback, masters=args.masters,
+                        state_dtype=args.state_dtype)
     # step(): averages over ranks, clips, updates, zeroes the grads. (Looked up at each call:
     # an LR scheduler wraps opt.step.)
     return opt, lambda: opt.step()

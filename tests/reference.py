@@ -259,3 +259,67 @@ def remainder_encode(master, param):
     ties = np.flatnonzero(r == 1 << 15)
     r[ties] = -(1 << 15)
     return r.astype(np.int16), ties.astype(np.int64)
+
+
+def _lowbias32(x):
+    """The 32-bit hash of ``zero1_mpi.state_dtypes`` on exact integers (int64 arrays)."""
+    m = (1 << 32) - 1
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & m
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def sr_bf16(values, flat, step, array):
+    """The bf16 bit patterns (uint16) of fp32 ``values`` rounded stochastically: bits of the
+    hash of ``(flat * 0x9E3779B1 + step * 0x85EBCA77 + array * 0xC2B2AE3D) mod 2**32`` (``flat``:
+    each value's parameter index) added below the kept half, in exact integers; inf kept, nan
+    quieted."""
+    u = np.asarray(values, np.float32).view(np.uint32).astype(np.int64)
+    seed = (np.asarray(flat, np.int64) * 0x9E3779B1 + step * 0x85EBCA77
+            + array * 0xC2B2AE3D) & ((1 << 32) - 1)
+    out = (u + (_lowbias32(seed) & 0xFFFF)) >> 16
+    magnitude = u & 0x7FFFFFFF
+    out = np.where(magnitude == 0x7F800000, u >> 16, out)
+    out = np.where(magnitude > 0x7F800000, (u >> 16) | 0x40, out)
+    return out.astype(np.uint16)
+
+
+def int8_state_bounds(codes):
+    """The fp32 boundaries between neighbouring codes of a sorted map: their midpoints."""
+    c = np.asarray(codes, np.float64)
+    return ((c[:-1] + c[1:]) / 2).astype(np.float32)
+
+
+def int8_state_encode(x, unsigned_map, signed_map, block=256):
+    """The 8-bit state's float64 model: ``(codes, scales)`` of fp32 ``x``. Per block: a value
+    that is not finite gives the scale nan and codes 0; else the scale is the largest magnitude,
+    negated where a value is negative (the signed map); a code is the number of the map's
+    midpoints below ``fp32(x / |scale|)`` (0 for a zero block)."""
+    x = np.asarray(x, np.float32)
+    codes, scales = np.zeros(x.size, np.uint8), []
+    for lo in range(0, x.size, block):
+        v = x[lo : lo + block].astype(np.float64)
+        if not np.isfinite(v).all():
+            scales.append(np.nan)
+            continue
+        amax, unsigned = float(np.max(np.abs(v))), bool(np.min(v) >= 0)
+        scales.append(amax if unsigned else -amax)
+        if amax == 0:
+            continue
+        bounds = int8_state_bounds(unsigned_map if unsigned else signed_map).astype(np.float64)
+        normal = (v / amax).astype(np.float32).astype(np.float64)
+        codes[lo : lo + block] = (bounds[None, :] < normal[:, None]).sum(axis=1)
+    return codes, np.array(scales, np.float32)
+
+
+def int8_state_decode(codes, scales, unsigned_map, signed_map, block=256):
+    """fp32 values of ``codes`` and ``scales`` (``int8_state_encode``'s): the map's value times
+    the scale's magnitude, rounded once to fp32."""
+    out = np.zeros(len(codes), np.float32)
+    for b, s in enumerate(np.asarray(scales, np.float32)):
+        table = np.asarray(signed_map if np.signbit(s) else unsigned_map, np.float64)
+        lo = b * block
+        out[lo : lo + block] = (table[codes[lo : lo + block]] * abs(float(s))).astype(np.float32)
+    return out

@@ -116,7 +116,7 @@ def test_fused_reference_trains_in_one_process_and_matches_in_float32():
 
 def test_8bit_collectives_through_the_torch_binding():
     """``--reduce-dtype int8 --gather-dtype int8 --error-feedback``: it trains, and ends near
-    the 16-bit run (the loss curves of issue 28 are tools/wire_losses.py's)."""
+    the 16-bit run (the loss curves of issue 28 are tools/gpt_losses.py's)."""
     _, out = run("--steps", "30")
     plain = losses(out)
     _, out = run("--steps", "30", "--reduce-dtype", "int8", "--gather-dtype", "int8",

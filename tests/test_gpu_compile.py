@@ -39,6 +39,9 @@ EXPECTED = {
     "zero1_int8_scales_feedback": 3, "zero1_int8_quantize_feedback": 3,
     "zero1_int8_decode_sum": 1, "zero1_int8_decode_add": 3,
     "zero1_remainder_decode": 1, "zero1_remainder_encode": 1,       # bf16 masters' remainders
+    "zero1_state_bf16_widen": 1, "zero1_state_bf16_round": 1,       # state_dtype="bfloat16"
+    "zero1_state_int8_decode": 1, "zero1_state_int8_scales": 1,     # state_dtype="int8"
+    "zero1_state_int8_quantize": 1,
 }
 LINE = re.compile(r"^(ok  |FAIL) (zero1_\w+)")
 

@@ -133,6 +133,25 @@ def test_shard_group_size_divides_the_state_by_the_group(capsys):
     assert list(rows(run(capsys, "--shard-group-size", "16"))) == [16, 32, 64, 128]
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_modes_give_a_column_per_way_of_keeping_the_state(capsys, stage):
+    """7B, 4 to 128 ranks, Adam on bf16 parameters: K = 12 (fp32 masters and moments), 10
+    (remainder masters), 6 (and bf16 moments), 4 + 8/256 (and 8-bit moments), each column the
+    stage's formula with its K, as ``MemoryReport`` holds a run to it."""
+    lines = run(capsys, "--modes", "--stage", str(stage), "--ranks", "4,8,16,32,64,128")
+    assert lines[0].startswith(f"Per-GPU memory (GB) of ZeRO stage {stage} for a 7B")
+    assert lines[1].split() == ["GPUs", "fp32", "(12)", "remainder", "(10)", "+bf16", "state",
+                                "(6)", "+int8", "state", "(4.03)"]
+    table = rows(lines)
+    assert list(table) == [4, 8, 16, 32, 64, 128]
+    for n, cells in table.items():
+        for k, cell in zip((12, 10, 6, 4 + 8 / 256), cells):
+            want = (2 + 2 + k / n) * 7 if stage == 1 else (2 + (2 + k) / n) * 7
+            assert cell == round(want, 1), (n, k, cell, want)
+    if stage == 1:
+        assert table[4][0] == 49.0 and table[64][0] == 29.3  # the seed's Stage 1 column
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--params", "7X"], "argument --params: parameter count '7X' is not a number"),
     (["--params", "-1"], "argument --params: parameter count '-1' must be a whole number"),
@@ -145,6 +164,7 @@ def test_shard_group_size_divides_the_state_by_the_group(capsys):
     (["--shard-group-size", "0"], "argument --shard-group-size: '0' must be a group size"),
     (["--ranks", "8", "12", "--shard-group-size", "8"],
      "--shard-group-size 8 does not divide --ranks 12: pass multiples of 8"),
+    (["--modes", "--offload", "cpu"], "--modes takes bf16 parameters, no --offload"),
 ])
 def test_bad_input_is_one_error_line_and_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -90,7 +90,7 @@ LAYERS = (
     ("pure: stdlib, numpy", {"layout", "memory", "scaler", "progress", "launcher", "rule",
                              "rules.options", "watchdog", "views"}),
     ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions", "wire",
-                        "masters"}),
+                        "masters", "state_dtypes"}),
     ("the engine's parts", {"topology", "exchange", "gathers", "buckets", "grad_shards", "gradients",
                             "offload", "state", "step", "checkpoint", "export", "preemption",
                             "persistence", "options", "configure", "ledger", "nccl"}),

@@ -233,9 +233,12 @@ def drive(recorder):
     summed over ranks in it or on one rank, or fp32 after a 16-bit exchange summed in fp32);
     then the engine's reductions on every gradient dtype (LAMB's sums of squares of the fp32
     masters come with it), the 8-bit wire codec on every dtype (with error feedback), and the
-    remainder masters' decode and encode.
+    remainder masters' decode and encode, the bf16 state's widening and rounding, and the 8-bit
+    state's decoding, scales and quantizing.
     """
     from zero1_mpi.masters import _cuda_kernel
+    from zero1_mpi.state_dtypes import _cuda_kernel as bf16_kernel
+    from zero1_mpi.state_dtypes import _cuda_kernel8 as int8_kernel
     from zero1_mpi.reductions import reductions_for
     from zero1_mpi.rules.registry import builtin_rules
     from zero1_mpi.wire import codec_for, packed_bytes
@@ -294,6 +297,27 @@ def drive(recorder):
                                fake_array(cupy, (N,), np.int32))
         _cuda_kernel("encode")(fake_array(cupy, (N,), np.int32), fake_array(cupy, (N,), np.uint16),
                                fake_array(cupy, (N,), np.int16), fake_array(cupy, (N,), np.bool_))
+    except Exception as exc:  # noqa: BLE001
+        yield case, exc
+    else:
+        yield case, None
+    case = "the 8-bit state (decode, scales, quantize)"
+    try:
+        codes, scales = fake_array(cupy, (N,), np.uint8), fake_array(cupy, (N // 256,), fp32)
+        table, bounds = fake_array(cupy, (256,), fp32), fake_array(cupy, (255,), fp32)
+        values = fake_array(cupy, (N,), fp32)
+        int8_kernel("decode")(codes, scales, table, table, 256, values)
+        int8_kernel("scales")(values, N, 256, scales)
+        int8_kernel("quantize")(values, scales, bounds, bounds, 256, codes)
+    except Exception as exc:  # noqa: BLE001
+        yield case, exc
+    else:
+        yield case, None
+    case = "the bf16 state (widen, stochastic rounding)"
+    try:
+        bf16_kernel("widen")(fake_array(cupy, (N,), np.uint16), fake_array(cupy, (N,), np.uint32))
+        bf16_kernel("round")(fake_array(cupy, (N,), np.uint32), np.uint32(7),
+                             fake_array(cupy, (N,), np.uint16))
     except Exception as exc:  # noqa: BLE001
         yield case, exc
     else:

@@ -14,8 +14,6 @@ from .memory import MemoryReport
 
 __all__ = ["memory_report"]
 
-FP32_BYTES = 4
-
 
 def memory_report(state, gradients, reductions, persistence, backend: str) -> MemoryReport:
     """The bytes this rank holds in ``state`` (``state.ShardedState``), ``gradients`` (a
@@ -29,9 +27,9 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         "gradients": (owned if gradients.sharded else psi) * grads.dtype.itemsize,
         "master_weights": 0 if masters is None else masters.real_bytes(owned),
     }
-    state_bytes = dict.fromkeys(state.state, owned * FP32_BYTES)
+    state_bytes = {name: kept.real_bytes(owned) for name, kept in state.stored.items()}
     sharded_real = real["master_weights"] + sum(state_bytes.values())
-    held = sum(a.nbytes for a in state.state.values()) + (0 if masters is None else masters.nbytes)
+    held = sum(k.nbytes for k in state.stored.values()) + (0 if masters is None else masters.nbytes)
     device = state.flat.nbytes + grads.nbytes + (0 if state.on_host else held)
     padding = (
         device - real["parameters"] - real["gradients"] - (0 if state.on_host else sharded_real)
@@ -60,4 +58,5 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         checkpoint_buffer=persistence.snapshot_bytes,
         error_feedback=gradients.feedback_bytes,
         masters="fp32" if masters is None else masters.kind,
+        state_dtype=state.state_dtype,
     )

@@ -19,6 +19,7 @@ import sys
 from .memory import (
     FP32_DTYPES,
     MIXED_DTYPES,
+    format_modes_table,
     format_param_count,
     format_table,
     parse_param_count,
@@ -47,7 +48,7 @@ def describe(rule: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> str:
     return f"{name} (momentum {momentum:g})" if rule == "sgd" else name
 
 
-def _k(rule: str, param_dtype: str, momentum: float) -> int:
+def _k(rule: str, param_dtype: str, momentum: float) -> int | float:
     return rule_bytes_per_param(rule, param_dtype, momentum != 0)
 
 
@@ -249,6 +250,15 @@ def main(argv=None) -> int:
         help="hierarchical sharding: the state sharded over groups of G ranks, "
         "replicated across groups (each N must be a multiple of G)",
     )
+    parser.add_argument(
+        "--modes",
+        action="store_true",
+        help="one column per way of keeping the sharded state of bf16 parameters (fp32; "
+        "remainder masters; and bf16 or 8-bit state), stage 1 (and 2 with --stage 2)",
+    )
+    parser.add_argument(
+        "--stage", type=int, choices=(1, 2), default=1, help="the stage of --modes (default 1)"
+    )
     args = parser.parse_args(argv)
 
     if args.momentum is not None and args.rule != "sgd":
@@ -266,6 +276,12 @@ def main(argv=None) -> int:
                 f"{' '.join(map(str, bad))}: pass multiples of {group}"
             )
     offload = args.offload == "cpu"
+    if args.modes:
+        if offload or group is not None or args.param_dtype == "float32":
+            parser.error("--modes takes bf16 parameters, no --offload, no --shard-group-size")
+        states = rule_states(args.rule, momentum != 0)
+        print(format_modes_table(args.params, ranks, states, args.stage))
+        return 0
     print(
         format_table(
             args.params,

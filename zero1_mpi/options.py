@@ -26,6 +26,7 @@ from .layout import DEFAULT_BUCKET_ELEMENTS, check_bucket_elements
 from .offload import resolve_threads
 from .params import check_param_dtype
 from .scaler import LossScaler
+from .state_dtypes import STATE_DTYPES
 from .topology import resolve_shard_group_size
 from .watchdog import check_step_timeout
 
@@ -227,6 +228,20 @@ def _masters(value, checked):
     return "remainder" if value != "fp32" and not why else "fp32"
 
 
+def _state_dtype(value, checked):
+    if value not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype={value!r} is not understood: use 'float32', 'bfloat16' (the rule's "
+            "state in 2 bytes, rounded stochastically) or 'int8' (8-bit blocks)"
+        )
+    if value != "float32" and checked["offload"] is not None:
+        raise ValueError(
+            f"state_dtype={value!r} with offload='cpu' is not supported yet (the host keeps "
+            "fp32 state): choose one"
+        )
+    return value
+
+
 def _shard_gradients(value, checked):
     if not isinstance(value, bool):
         raise ValueError(
@@ -398,6 +413,18 @@ OPTIONS = (
         "parameter instead of 4, the same masters bit for bit; ``zero1_mpi.masters``). "
         "``'auto'``: remainders for bfloat16 parameters unless ``offload`` or "
         "``gather_dtype`` is set, else fp32. ``opt.options.masters`` tells which.",
+    ),
+    Option(
+        "state_dtype",
+        "str",
+        "float32",
+        _state_dtype,
+        doc="how this rank keeps the rule's state arrays (moments, momentum): ``'float32'``, "
+        "or ``'bfloat16'`` (2 bytes each, rounded stochastically with bits drawn from the "
+        "parameter's index and the step: the same on every rank count) or ``'int8'`` (8-bit "
+        "codes of the dynamic map of 8-bit Adam with an fp32 scale per 256 values, about 1 "
+        "byte each; tensors under 4096 elements keep fp32). ``zero1_mpi.state_dtypes``. "
+        "Checkpoints hold fp32 state either way.",
     ),
     Option(
         "shard_gradients",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from .gathers import ParamGathers, param_gathers
 from .masters import Fp32Masters, masters_for
 from .offload import HostShard, ThreadedKernel, each_tensor_sums
 from .reductions import resolve_cpu_kernel
+from .state_dtypes import MIN_8BIT_SIZE, Fp32State, state_for
 from .views import Views
 
 __all__ = ["ShardedState", "HostState", "sharded_state", "FP32"]
@@ -50,13 +51,20 @@ class ShardedState:
         self.shard_rank, self.watch, self._xp = topology.shard_rank, watch, xp
         self.mixed = dtype != FP32
         self.masters_kind = "fp32" if options is None else options.masters
+        self.state_dtype = "float32" if options is None else options.state_dtype
         #: The flat parameter buffer (every rank's full copy); ``params``: its views by name.
         self.flat = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
         self.params: Mapping = Views(layout, self.flat, before_read)
         largest = max(b.shard_size for b in layout.buckets)
+        #: Each bucket's tensor pieces on this rank: ``(tensor, group, a, b)``, ``[a, b)`` in
+        #: the bucket's shard; a two-phase rule's calls, and the 8-bit state's segments.
+        self._pieces = [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
+        self._by_piece = rule.tensor_sums > 0 or self.state_dtype == "int8"
         self._allocate(layout.shard_total, largest)
         #: The most elements one kernel call takes (remainder masters: a cache-sized chunk).
-        self._chunk = max(1, largest if self.masters is None else self.masters.chunk)
+        kept = [self.masters, *self.stored.values()]
+        self._chunk = max(1, min([largest] + [k.chunk for k in kept if k is not None]))
+        self._step = 0  # the step being updated (stochastic rounding draws by it)
         self.gathers: ParamGathers = (
             ParamGathers(layout, self.flat, topology.shard_comm, watch)
             if options is None
@@ -64,16 +72,11 @@ class ShardedState:
                 options, layout, self.flat, topology.shard_comm, watch, xp, self.kernel_kind
             )
         )
-        self._pieces: list[list[tuple[int, int, int, int]]] | None = (
-            [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
-            if rule.tensor_sums
-            else None
-        )
 
     def _allocate(self, n: int, largest: int) -> None:
         """The shard's arrays (the masters for 16-bit parameters, as ``masters_kind`` says; for
         fp32 ones the parameter buffer's own range is the master) and the kernel."""
-        xp = self._xp
+        xp, tensors = self._xp, self.layout.tensors
         self.kernel_kind = "cupy" if xp is not np else resolve_cpu_kernel()
         self.masters: Any = (
             masters_for(
@@ -82,7 +85,17 @@ class ShardedState:
             if self.mixed
             else None
         )
-        self.state = {name: xp.zeros(n, FP32) for name in self.rule.state_names}
+        whole = self.rule.tensor_sums > 0
+        segments = [
+            (bucket.state.start + a, bucket.state.start + b, tensors[t].numel >= MIN_8BIT_SIZE)
+            for bucket, pieces in zip(self.layout.buckets, self._pieces)
+            for t, _, a, b in pieces
+        ]
+        self.stored: dict = {
+            name: state_for(self.state_dtype, n, largest, xp, self.kernel_kind, i, whole, segments)
+            for i, name in enumerate(self.rule.state_names)
+        }
+        self.state = {name: kept.held for name, kept in self.stored.items()}
         self.kernel = self.rule.kernel(self.kernel_kind, largest)
 
     # -- what checkpoints and exports read and write -------------------------------------------
@@ -108,7 +121,7 @@ class ShardedState:
             "master": self.flat[lo:hi]
             if self.masters is None
             else self.masters.read(s, self.flat[lo:hi]),
-            **{name: array[s] for name, array in self.state.items()},
+            **{name: kept.read(s) for name, kept in self.stored.items()},
         }
         if self.mixed:
             views["param"] = self.flat[lo:hi]
@@ -121,8 +134,8 @@ class ShardedState:
         ``publish()`` after."""
         s, param = slice(state, state + hi - lo), self.flat[lo:hi]
         for name, value in values.items():
-            if name in self.state:
-                self.state[name][s] = backend.like(self.state[name], value)
+            if name in self.stored:
+                self.stored[name].write(s, value)
         if "master" not in values:
             return
         if self.masters is None:  # fp32 parameters: the parameter is the master
@@ -168,6 +181,7 @@ class ShardedState:
         bucket's all-gather as its new shard lands. Returns the seconds spent updating and
         starting gathers. A two-phase rule first sums over each tensor (one Allreduce)."""
         clock, update = time.perf_counter, 0.0
+        self._step = step
         shards: list | None = reduced  # None: a second phase reads no gradients
         kernel_scalars: list | dict = scalars  # a two-phase rule's: by tensor
         if self.rule.tensor_sums:
@@ -189,8 +203,8 @@ class ShardedState:
 
     def scratch_bytes(self) -> tuple[int, int]:
         """Bytes held for the update beside the arrays: ``(with the parameters, on the host)``."""
-        masters = 0 if self.masters is None else self.masters.scratch_bytes
-        return self.kernel.scratch_bytes + self.gathers.scratch_bytes + masters, 0
+        kept = sum(k.scratch_bytes for k in (self.masters, *self.stored.values()) if k is not None)
+        return self.kernel.scratch_bytes + self.gathers.scratch_bytes + kept, 0
 
     def wait(self) -> None:
         """Complete the all-gathers in flight."""
@@ -221,28 +235,41 @@ class ShardedState:
         scratch (ranges used together: apart)."""
         lo, _ = bucket.shard(self.shard_rank)
         st = slice(bucket.state.start + a, bucket.state.start + b)
-        states = [state[st] for state in self.state.values()]
+        states = [kept.load(st, at) for kept in self.stored.values()]
         if self.mixed:
             master = self.masters.load(st, at, self.flat[lo + a : lo + b])
             return master, states, self.gathers.target(bucket)[a:b]
         return self.flat[lo + a : lo + b], states, None
 
-    def _stored(self, bucket, a: int, b: int, master, param) -> None:
-        """Keep what the kernel wrote over ``[a, b)`` of ``bucket`` (``_arrays``' arrays)."""
+    def _stored(self, bucket, a: int, b: int, master, param, states=None) -> None:
+        """Keep what the kernel wrote over ``[a, b)`` of ``bucket`` (``_arrays``' arrays; the
+        ``states`` where it wrote them)."""
+        st = slice(bucket.state.start + a, bucket.state.start + b)
         if param is not None:
-            st = slice(bucket.state.start + a, bucket.state.start + b)
             self.masters.store(st, master, param)
+        if states is not None:
+            flat = bucket.shard(self.shard_rank)[0] + a
+            for kept, values in zip(self.stored.values(), states):
+                kept.store(st, values, flat, self._step)
 
     # -- internals ---------------------------------------------------------------------------
 
     def _update_bucket(self, bucket, grads, scalars) -> None:
-        """Update this rank's shard of ``bucket``: per param group, or per tensor piece."""
+        """Update this rank's shard of ``bucket``: per param group, or per tensor piece (a
+        two-phase rule; the 8-bit state, whose blocks start at each piece)."""
         if self.rule.tensor_sums:
-            for index, _, a, b in cast(list, self._pieces)[bucket.index]:  # two-phase: a list
+            for index, _, a, b in self._pieces[bucket.index]:
                 for c, d in self._calls(a, b):
                     master, states, param = self._arrays(bucket, c, d)
                     self.kernel.apply(master, *states, param, scalars[index])
                     self._stored(bucket, c, d, master, param)
+            return
+        if self._by_piece:
+            for _, group, a, b in self._pieces[bucket.index]:
+                for c, d in self._calls(a, b):
+                    master, states, param = self._arrays(bucket, c, d)
+                    self.kernel(grads[c:d], master, *states, param, scalars[group])
+                    self._stored(bucket, c, d, master, param, states)
             return
         lo, hi = bucket.shard(self.shard_rank)
         for (group_lo, group_hi), s in zip(self.layout.groups, scalars):
@@ -250,7 +277,7 @@ class ShardedState:
             for c, d in self._calls(a, b):
                 master, states, param = self._arrays(bucket, c, d)
                 self.kernel(grads[c:d], master, *states, param, s)
-                self._stored(bucket, c, d, master, param)
+                self._stored(bucket, c, d, master, param, states)
 
     def _calls(self, a: int, b: int):
         """``[a, b)`` cut into the ranges of one elementwise kernel call each (the bits do
@@ -263,15 +290,18 @@ class ShardedState:
         one ``Allreduce``; returns the scalars (``rule.tensor_scalars``) of each tensor this
         rank owns a piece of, by tensor index. ``shards``: as ``_inputs`` gives them."""
         xp = np if self.on_host else self._xp
-        all_pieces = cast(list, self._pieces)  # a two-phase rule's
+        all_pieces = self._pieces
         sums = xp.zeros((len(self.layout.tensors), self.rule.tensor_sums), np.float64)
         for (bucket, grads), pieces in zip(shards, all_pieces):
             calls = []
             for _, group, a, b in pieces:
                 master, states, _ = self._arrays(bucket, a, b, at=a)  # whole: one sum a piece
                 calls.append((grads[a:b], master, *states, scalars[group]))
-            for (index, *_), partial in zip(pieces, each_tensor_sums(self.kernel, calls)):
+            for (index, _, a, b), partial, call in zip(
+                pieces, each_tensor_sums(self.kernel, calls), calls
+            ):
                 sums[index] += partial
+                self._stored(bucket, a, b, None, None, call[2:-1])  # the state it updated
         totals = backend.to_numpy(sums)
         if self.topology.group_size > 1:  # the group's shards cover every tensor once
             self.watch.arm(step, "update")
@@ -303,6 +333,7 @@ class HostState(ShardedState):
             self.layout, self.shard_rank, self.flat, self.rule.state_names, self.mixed
         )
         self.masters, self.state = Fp32Masters(self.copies.master), self.copies.state
+        self.stored = {name: Fp32State(array) for name, array in self.state.items()}
         self.kernel = ThreadedKernel(
             lambda: self.rule.kernel(self.kernel_kind, largest), self._threads
         )

@@ -35,7 +35,7 @@ import zero1_mpi
 from casekit import check
 from zero1_mpi import ZeroAdamW, ZeroLion, ZeroSGD
 from zero1_mpi.checkpoint import CHUNK
-from zero1_mpi.memory import MASTER_BYTES, stage1_bytes, stage1_fp32_bytes
+from zero1_mpi.memory import MASTER_BYTES, STATE_BYTES, stage1_bytes, stage1_fp32_bytes
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -48,6 +48,11 @@ DTYPES = ("float32", "bfloat16")
 RULES = (
     ("adamw", ZeroAdamW, {}, ("exp_avg", "exp_avg_sq"), (8, 10)),
     ("adamw, fp32 masters", ZeroAdamW, {"masters": "fp32"}, ("exp_avg", "exp_avg_sq"), (8, 12)),
+    # the state in 2 bytes, or in 8-bit blocks (1 + 4/256; the small tensors' in fp32)
+    ("adamw, bf16 state", ZeroAdamW, {"state_dtype": "bfloat16"}, ("exp_avg", "exp_avg_sq"),
+     (4, 6)),
+    ("adamw, int8 state", ZeroAdamW, {"state_dtype": "int8"}, ("exp_avg", "exp_avg_sq"),
+     (2 * (1 + 4 / 256), 2 + 2 * (1 + 4 / 256))),
     ("sgd momentum", ZeroSGD, {"momentum": 0.9}, ("momentum_buffer",), (4, 6)),
     ("sgd", ZeroSGD, {}, (), (0, 2)),
     ("lion", ZeroLion, {}, ("exp_avg",), (4, 6)),
@@ -111,10 +116,17 @@ def check_report_names_the_state(what, psi, report, names, k):
     sums = comm.allreduce(np.array([report.master_weights] + [report.state[n] for n in names],
                                    np.int64)).tolist()
     # (every master holds the same value: no tie, or all of them; they are not)
-    expected = [master * psi] + [4 * psi] * len(names)
+    element = STATE_BYTES[report.state_dtype]
+    expected = [master * psi] + [element * psi] * len(names)
+    if report.state_dtype == "int8":  # + the small tensors' fp32, the pieces' partial blocks
+        small = sum(int(np.prod(s)) for s in shapes(psi).values() if np.prod(s) < 4096)
+        over = [got - want for got, want in zip(sums[1:], expected[1:])]
+        check(all(3 * small <= o <= 4 * small + 4 * 64 * size for o in over),
+              f"{what}: the 8-bit state holds {over} bytes over its formula, {small} small")
+        sums[1:] = expected[1:]
     check(sums == expected, f"{what}: over {size} ranks master_weights and {names} hold "
                             f"{sums} bytes, expected {expected} (per parameter: {master} a "
-                            "master, 4 a state array)")
+                            f"master, {element} a state element)")
 
 
 def check_held_memory():

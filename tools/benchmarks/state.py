@@ -2,7 +2,8 @@
 
 One rank (``MPI.COMM_SELF``), a flat bf16 model of --params parameters in a few tensors, the
 rule of --rule, each CPU kernel family of --kernels (``numpy``, ``numba``) or ``cupy``
-(--backend cupy). For each mode (the engine options that choose it: ``masters``), the median
+(--backend cupy). For each mode (the engine options that choose it: ``masters``,
+``state_dtype``), the median
 step time over --steps steps (gradients written before each step; the device synchronized
 after it), its ratio to the first mode's, measured in the same run and interleaved step by
 step so that the machine's drift falls on every mode alike, and the sharded bytes per
@@ -25,6 +26,8 @@ RANKS, TIMEOUT = False, None
 MODES = (
     ("fp32 masters", {"masters": "fp32"}),
     ("remainder masters", {"masters": "remainder"}),
+    ("remainder + bf16 state", {"masters": "remainder", "state_dtype": "bfloat16"}),
+    ("remainder + int8 state", {"masters": "remainder", "state_dtype": "int8"}),
 )
 
 
@@ -99,5 +102,5 @@ def report(args, results: list[dict]) -> dict:
           f"{'K formula':>10s}")
     for row in rows:
         print(f"{row['kernel']:7s} {row['mode']:22s} {row['step_ms']:9.1f} {row['ratio']:7.3f} "
-              f"{row['k']:11.3f} {row['k_formula']:10d}")
+              f"{row['k']:11.3f} {row['k_formula']:10g}")
     return {"rows": rows}

@@ -23,6 +23,7 @@ __all__ = [
     "MIXED_DTYPES",
     "FP32_DTYPES",
     "MASTER_BYTES",
+    "STATE_BYTES",
     "bytes_per_param",
     "stage_terms",
     "stage_bytes",
@@ -34,6 +35,8 @@ __all__ = [
     "format_param_count",
     "parse_param_count",
     "format_table",
+    "format_modes_table",
+    "MODES",
 ]
 
 #: Bytes per parameter of each stage: (fully replicated terms, terms divided among N ranks),
@@ -52,6 +55,9 @@ MIXED_DTYPES, FP32_DTYPES = ("float16", "bfloat16"), ("float32",)
 #: Bytes per parameter of the master weights kept apart from 16-bit params, by ``masters``:
 #: fp32, or (bf16 params) the 16 bits the parameter lacks (ties apart: ``zero1_mpi.masters``).
 MASTER_BYTES = {"fp32": 4, "remainder": 2}
+#: Bytes per element of each of the rule's state arrays, by ``state_dtype`` (int8: a code and
+#: an fp32 scale per 256; tensors under 4096 elements keep fp32, beside the formula).
+STATE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256}
 
 _UNITS = (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3))
 
@@ -85,12 +91,18 @@ def _check_k(k):
     return k
 
 
-def bytes_per_param(state_names, param_dtype: str = "float16", masters: str = "fp32") -> int:
-    """K, the bytes per parameter of the sharded part: 4 per fp32 state array in
-    ``state_names``, plus the master's for 16-bit params (``MASTER_BYTES[masters]``: fp32's
-    4, a remainder's 2; fp32 params are their own)."""
+def bytes_per_param(
+    state_names, param_dtype: str = "float16", masters: str = "fp32", state_dtype: str = "float32"
+) -> int | float:
+    """K, the bytes per parameter of the sharded part: ``STATE_BYTES[state_dtype]`` (4 for
+    fp32) per state array in ``state_names``, plus the master's for 16-bit params
+    (``MASTER_BYTES[masters]``: fp32's 4, a remainder's 2; fp32 params are their own)."""
     if masters not in MASTER_BYTES:
         raise ValueError(f"masters={masters!r} is not known: use one of {', '.join(MASTER_BYTES)}")
+    if state_dtype not in STATE_BYTES:
+        raise ValueError(
+            f"state_dtype={state_dtype!r} is not known: use one of {', '.join(STATE_BYTES)}"
+        )
     if param_dtype in MIXED_DTYPES:
         master = MASTER_BYTES[masters]
     elif param_dtype in FP32_DTYPES:
@@ -100,7 +112,7 @@ def bytes_per_param(state_names, param_dtype: str = "float16", masters: str = "f
             f"no stage-1 formula for param_dtype={param_dtype!r}; known: "
             f"{', '.join(MIXED_DTYPES + FP32_DTYPES)}"
         )
-    return master + 4 * len(tuple(state_names))
+    return master + STATE_BYTES[state_dtype] * len(tuple(state_names))
 
 
 def _replicated(param_dtype: str) -> tuple[int, int]:
@@ -268,6 +280,34 @@ def format_table(
     return "\n".join(lines)
 
 
+#: The ways of keeping the sharded state of 16-bit (bf16) parameters, by column label:
+#: ``(masters, state_dtype)``, the engine options that choose them.
+MODES = {
+    "fp32": ("fp32", "float32"),
+    "remainder": ("remainder", "float32"),
+    "+bf16 state": ("remainder", "bfloat16"),
+    "+int8 state": ("remainder", "int8"),
+}
+
+
+def format_modes_table(params, gpu_counts, state_names=("exp_avg", "exp_avg_sq"), stage=1) -> str:
+    """Per-GPU memory (GB = 1e9 bytes) of ZeRO ``stage`` 1 or 2 with 16-bit parameters for
+    ``params`` and each GPU count, a column per way of keeping the sharded state (``MODES``;
+    the first is the seed's); ``state_names``: the rule's state arrays (Adam's by default)."""
+    ks = {label: bytes_per_param(state_names, "bfloat16", *mode) for label, mode in MODES.items()}
+    title = (
+        f"Per-GPU memory (GB) of ZeRO stage {stage} for a {format_param_count(params)} "
+        "parameter model, bf16 parameters, by how the sharded state is kept (K)"
+    )
+    head = f"{'GPUs':>6}" + "".join(f"{f'{label} ({k:.3g})':>20}" for label, k in ks.items())
+    lines = [title, head, "-" * len(head)]
+    for n in gpu_counts:
+        _check(params, n)
+        gb = [stage_bytes(params, n, stage, k, "bfloat16") / 1e9 for k in ks.values()]
+        lines.append(f"{n:>6}" + "".join(f"{x:>19.1f}G" for x in gb))
+    return "\n".join(lines)
+
+
 _BYTE_FIELDS = (
     "parameters",
     "gradients",
@@ -290,7 +330,9 @@ class MemoryReport:
     ``exp_avg``, ``exp_avg_sq``; SGD's ``momentum_buffer`` or nothing; Lion's ``exp_avg``): the
     real elements of this rank's shard (``master_weights`` is 0 for float32 params;
     ``masters``: how they are kept, ``"fp32"`` or ``"remainder"``: 2 bytes each, plus 8 per
-    tie, ``zero1_mpi.masters``).
+    tie, ``zero1_mpi.masters``; ``state_dtype``: how each state array is kept, 4 bytes an
+    element for ``"float32"``, 2 for ``"bfloat16"``, 1 + 4/256 for ``"int8"``: K may be
+    fractional).
     ``padding``: every padding element of all those buffers. ``comm_scratch``: everything else
     held for a step (staging, reduce buffers). So ``total`` is the nbytes of everything held,
     and summed over ranks ``total - formula_bytes`` equals ``padding + comm_scratch`` exactly.
@@ -326,6 +368,7 @@ class MemoryReport:
     checkpoint_buffer: int = 0
     error_feedback: int = 0
     masters: str = "fp32"
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
@@ -364,6 +407,11 @@ class MemoryReport:
                 f"MemoryReport.grad_shard_dtype={self.grad_shard_dtype!r} must be "
                 f"None (stage 1) or one of {', '.join(MIXED_DTYPES + FP32_DTYPES)}"
             )
+        if self.state_dtype not in STATE_BYTES:
+            raise ValueError(
+                f"MemoryReport.state_dtype={self.state_dtype!r} must be one of "
+                f"{', '.join(STATE_BYTES)}"
+            )
         if self.masters not in MASTER_BYTES:
             raise ValueError(
                 f"MemoryReport.masters={self.masters!r} must be one of {', '.join(MASTER_BYTES)}"
@@ -386,6 +434,7 @@ class MemoryReport:
                 self.offloaded,
                 self.grad_shard_dtype,
                 self.masters,
+                self.state_dtype,
             )
         )
 
@@ -409,11 +458,14 @@ class MemoryReport:
         return self.state.get("exp_avg_sq", 0)
 
     @property
-    def bytes_per_param(self) -> int:
+    def bytes_per_param(self) -> int | float:
         """K: the sharded part's bytes per parameter, from the state arrays and the dtype (and
         offloaded fp32 params' host master)."""
         own_master = 4 if self.offloaded and self.param_dtype in FP32_DTYPES else 0
-        return bytes_per_param(self.state, self.param_dtype, self.masters) + own_master
+        return (
+            bytes_per_param(self.state, self.param_dtype, self.masters, self.state_dtype)
+            + own_master
+        )
 
     @property
     def host_bytes(self) -> int:
@@ -460,10 +512,10 @@ class MemoryReport:
         replicated = "4Ψ+4Ψ" if self.param_dtype in FP32_DTYPES else "2Ψ+2Ψ"
         if self.grad_shard_dtype is not None:
             sharded = _replicated(self.grad_shard_dtype)[1] + self.bytes_per_param
-            return f"{replicated.split('+')[0]}+{sharded}Ψ/N"
+            return f"{replicated.split('+')[0]}+{sharded:g}Ψ/N"
         if self.offloaded:
-            return f"device {replicated}, host {self.bytes_per_param}Ψ/N"
-        return f"{replicated}+{self.bytes_per_param}Ψ/N"
+            return f"device {replicated}, host {self.bytes_per_param:g}Ψ/N"
+        return f"{replicated}+{self.bytes_per_param:g}Ψ/N"
 
     @property
     def adam16_formula_bytes(self) -> float:

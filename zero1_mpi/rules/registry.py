@@ -68,8 +68,13 @@ def rule_states(name: str, momentum: bool = True) -> tuple[str, ...]:
 
 
 def rule_bytes_per_param(
-    name: str = "adam", param_dtype: str = "float16", momentum: bool = True
-) -> int:
+    name: str = "adam",
+    param_dtype: str = "float16",
+    momentum: bool = True,
+    masters: str = "fp32",
+    state_dtype: str = "float32",
+) -> int | float:
     """K of a rule by name, the bytes per parameter of the sharded part: 16-bit params: adam
-    12, lamb 12, sgd 8 (4 without momentum), lion 8; fp32 params: 8, 8, 4 (0), 4."""
-    return bytes_per_param(rule_states(name, momentum), param_dtype)
+    12, lamb 12, sgd 8 (4 without momentum), lion 8; fp32 params: 8, 8, 4 (0), 4; less with
+    remainder ``masters`` or a narrower ``state_dtype`` (``memory.bytes_per_param``)."""
+    return bytes_per_param(rule_states(name, momentum), param_dtype, masters, state_dtype)
