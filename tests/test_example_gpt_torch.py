@@ -124,3 +124,19 @@ def test_8bit_collectives_through_the_torch_binding():
     int8 = losses(out)
     assert int8[-1] < int8[0] - 0.5, int8
     assert abs(sum(int8[-5:]) - sum(plain[-5:])) / sum(plain[-5:]) < 0.05, (int8, plain)
+
+
+@pytest.mark.mpi_independent  # (the modes' numerics: tests/cases/masters.py, state_dtypes.py)
+def test_state_modes_through_the_torch_binding():
+    """``--masters fp32`` and the default (remainder masters) give the same losses, bit for bit;
+    ``--state-dtype bfloat16`` and ``int8`` train and end near them (the 1,000-step curves of
+    issue 29 are ``tools/gpt_losses.py --compare state``'s)."""
+    _, out = run("--steps", "20", "--masters", "fp32")
+    fp32 = losses(out)
+    _, out = run("--steps", "20")
+    assert losses(out) == fp32
+    for dtype in ("bfloat16", "int8"):
+        _, out = run("--steps", "20", "--state-dtype", dtype)
+        got = losses(out)
+        assert got[-1] < got[0] - 0.5, (dtype, got)
+        assert abs(sum(got[-5:]) - sum(fp32[-5:])) / sum(fp32[-5:]) < 0.05, (dtype, got, fp32)

@@ -283,3 +283,61 @@ def test_gradient_sharding_on_cupy_arrays(tmp_path, n):
     stage 1 and the float64 reference, checkpoints across the stages) on the GPU."""
     out = run_mpi(n, "stage2.py", str(tmp_path), "--backend", "cupy", timeout=600).stdout
     assert f"OK stage 2 on {n} ranks (cupy): 72 rule/dtype cases" in out, out
+
+
+@pytest.mark.parametrize("codec", ["remainder", "bfloat16", "int8"])
+def test_cupy_state_codecs_equal_their_numpy_twins(codec):
+    """The remainder masters, the bf16 state's stochastic rounding and the 8-bit state on the
+    GPU: the same bits as the NumPy twins (integer operations, and fp32 ones rounded once)."""
+    from zero1_mpi.backend import BFLOAT16
+    from zero1_mpi.masters import RemainderMasters
+    from zero1_mpi.state_dtypes import Bf16State, Int8State
+    n = 300_000
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 1e3], n)).astype(np.float32)
+    x[5:300:7] = (x[5:300:7].view(np.uint32) & 0xFFFE0000 | 0x8000).view(np.float32)  # ties
+    got = {}
+    for xp, kind in ((np, "numpy"), (cupy, "cupy")):
+        values = xp.asarray(x)
+        if codec == "remainder":
+            kept, param = RemainderMasters(n, n, xp, kind), xp.zeros(n, BFLOAT16)
+            kept.write(slice(0, n), values, param)
+            got[kind] = (kept.held, kept.ties, kept.read(slice(0, n), param))
+        elif codec == "bfloat16":
+            kept = Bf16State(n, n, xp, kind, 1)
+            kept.store(slice(0, n), values, 12_345, 7)
+            got[kind] = (kept.held, kept.read(slice(0, n)))
+        else:
+            kept = Int8State(n, [(0, 1000, True), (1000, n, True)], n, xp, kind)
+            kept.store(slice(0, 1000), values[:1000], 0, 1)
+            kept.store(slice(1000, n), values[1000:], 1000, 1)
+            got[kind] = (kept.held, kept.scales, kept.read(slice(0, n)))
+    for a, b in zip(got["numpy"], got["cupy"]):
+        assert np.array_equal(np.asarray(a), cupy.asnumpy(b) if hasattr(b, "get") else b,
+                              equal_nan=True), codec
+
+
+@pytest.mark.parametrize("options", [{"masters": "remainder"}, {"state_dtype": "bfloat16"},
+                                     {"state_dtype": "int8"}])
+def test_state_modes_on_cupy_arrays_follow_the_host(options):
+    """An optimizer in each mode on CuPy parameters against the same on NumPy ones: remainder
+    masters give fp32 masters' bits on the GPU; the others stay close to the host run (the
+    kernels may contract differently)."""
+    rng = np.random.default_rng(1)
+    init = {"w": rng.standard_normal((70, 100)).astype(np.float32), "b": np.zeros(100, np.float32)}
+    runs = {}
+    for name, xp, engine in (("host", np, options), ("gpu", cupy, options),
+                             ("gpu fp32", cupy, {"masters": "fp32"})):
+        opt = ZeroAdamW({k: xp.asarray(v) for k, v in init.items()}, MPI.COMM_SELF, lr=1e-2,
+                        param_dtype="bfloat16", **engine)
+        for step in range(5):
+            g = np.random.default_rng(step)
+            for k, v in init.items():
+                opt.grads[k][...] = xp.asarray(g.standard_normal(v.shape).astype(np.float32))
+            opt.step()
+        runs[name] = {k: np.asarray(cupy.asnumpy(p) if xp is cupy else p, np.float32)
+                      for k, p in opt.params.items()}
+    for k in init:
+        if options.get("masters") == "remainder":
+            assert np.array_equal(runs["gpu"][k], runs["gpu fp32"][k]), k
+        assert np.allclose(runs["gpu"][k], runs["host"][k], rtol=2**-6, atol=1e-3), k

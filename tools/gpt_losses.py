@@ -11,9 +11,11 @@ state`` (fp32 masters and moments), ``remainder`` (remainder masters: the same b
 ``bf16 state`` (remainders and bf16 moments), ``int8 state`` (remainders and 8-bit moments).
 The first choice is the baseline. The final loss
 is the mean over the last ``--tail`` steps (one step's loss is noisy). Prints, per choice, the
-final loss of each seed (and its difference from the baseline's of the same seed), and whether
-it ends within the run-to-run spread of the baseline over the seeds or within 1% of their mean,
-whichever is wider; writes every loss curve to DIR/losses.json and plots them. The learning
+final loss of each seed (and its difference from the baseline's of the same seed), whether it
+ends within the baseline's range over the seeds or 1% of their mean, whichever is wider
+("in range"), and whether each seed's difference from the baseline's same seed is within the
+baseline's run-to-run spread (its seeds' max - min: "paired"); writes every loss curve to
+DIR/losses.json and plots them. The learning
 rate is annealed (``--schedule cosine``, default) so that the runs end comparable; with a
 constant rate, runs that differ by any rounding drift apart mid-descent.
 """
@@ -91,11 +93,14 @@ def main(argv=None) -> int:
     print(f"final loss: mean of the last {args.tail} of {args.steps} steps, {args.ranks} ranks, "
           f"{args.schedule} LR; {first} {mean:.4f} (seeds {min(base):.4f}..{max(base):.4f}); "
           f"target {lo:.4f}..{hi:.4f}")
+    spread = max(base) - min(base)
     for name, by_seed in final.items():
         values = " ".join(f"seed {s}: {v:.4f} ({v / final[first][s] - 1:+.2%})"
                           for s, v in by_seed.items())
         ok = all(lo <= v <= hi for v in by_seed.values())
-        print(f"  {name:<12} {values}   {'within' if ok else 'OUTSIDE'}")
+        paired = all(abs(v - final[first][s]) <= spread for s, v in by_seed.items())
+        print(f"  {name:<12} {values}   {'in range' if ok else 'OUT OF RANGE'}, "
+              f"{'paired within' if paired else 'paired OUTSIDE'} the spread {spread:.4f}")
     (out / "losses.json").write_text(json.dumps({"args": vars(args), "final": final,
                                                  "curves": curves}) + "\n")
     if args.plot:

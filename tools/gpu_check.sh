@@ -13,7 +13,8 @@
 # from .whl/impi-rt-slim.tar.xz, made by tools/pack_mpi.py): tools/mpi_probe.py --device, the
 # staged and CUDA-aware paths against each other with their step times on 2 and 4 ranks
 # sharing the GPU (tests/cases/transport.py), the example on that path with its final losses
-# compared to the staged runs'; and `tools/bench.py offload` (a 1B-parameter bf16 model).
+# compared to the staged runs'; `tools/bench.py offload` (a 1B-parameter bf16 model) and
+# `tools/bench.py state --backend cupy` (each way of keeping the state: step time and bytes).
 # Output: gpu_check.log (everything printed), summary.md and summary.json (one line per check,
 # the benchmarks' tables, the offload figures and the GPT tokens/s ratio).
 #
@@ -127,6 +128,8 @@ else
 fi
 check "bench offload" 300 "$PY" tools/bench.py offload --params 1B --steps 2 \
   --json "$OUT_DIR/offload.json"
+check "bench state" 120 "$PY" tools/bench.py state --backend cupy --params 64M --steps 5 \
+  --json "$OUT_DIR/state.json"
 
 {
   echo "| check | result | seconds |"
@@ -151,6 +154,7 @@ transport = [dict(zip(("ranks", "staged_ms", "cuda_aware_ms"), map(float, found)
              in re.findall(r"^TIME cupy (\d+) ranks, .*? staged ([\d.]+) ms/step .*? direct "
                            r"([\d.]+) ms/step", log, re.M)]
 summary = {"checks": checks, "bench": load("bench.json"), "offload": load("offload.json"),
+           "state": load("state.json"),
            "gpt_tokens_per_s": gpt or None, "staged_vs_cuda_aware": transport or None}
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 EOF

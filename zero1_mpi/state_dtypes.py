@@ -256,6 +256,22 @@ def dynamic_map(signed: bool) -> np.ndarray:
 CODES = {False: dynamic_map(False), True: dynamic_map(True)}  # unsigned, signed
 #: The fp32 boundaries between neighbouring codes: a value's code is how many lie below it.
 BOUNDS = {s: ((c[:-1].astype(np.float64) + c[1:]) / 2).astype(np.float32) for s, c in CODES.items()}
+
+
+def _first_codes(bounds) -> np.ndarray:
+    """For each top half (16 bits) of an fp32 pattern: how many ``bounds`` lie below the lowest
+    value with that top half. A value's code is that plus the bounds between that value and it
+    (a top half spans 2^-7 of a value, and the maps' bounds are sparser: at most one), which a
+    scan counts: the binary search's count, without its unpredictable branches."""
+    top = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    lowest = np.where(top >> np.uint32(31) == 1, top | np.uint32(0xFFFF), top).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        return np.searchsorted(bounds, lowest).astype(np.uint8)
+
+
+FIRST_CODES = {s: _first_codes(b) for s, b in BOUNDS.items()}
+#: The bounds and one past the last (inf), for the scan from a first code.
+_PAST = {s: np.append(b, np.float32(np.inf)) for s, b in BOUNDS.items()}
 #: Values per fp32 scale of the 8-bit state (a multiple divides ``Int8State.CHUNK``).
 STATE_BLOCK = 256
 #: Tensors with fewer elements keep fp32 state (bitsandbytes' ``min_8bit_size``): their bytes are
@@ -405,7 +421,8 @@ class Int8State:
     def _encode(self, values, codes, scales) -> None:
         n = values.size
         if self._kind == "numba":
-            _numba_encode8(values, BOUNDS[False], BOUNDS[True], codes, scales, STATE_BLOCK)
+            _numba_encode8(values, BOUNDS[False], BOUNDS[True], FIRST_CODES[False],
+                           FIRST_CODES[True], codes, scales, STATE_BLOCK)  # fmt: skip
             return
         if self._kind == "cupy":
             _cuda_kernel8("scales")(values, n, STATE_BLOCK, scales)
@@ -423,8 +440,14 @@ class Int8State:
             np.divide(values, scale, out=x, where=scale != 0)
         np.copyto(x, 0, where=~np.isfinite(x))  # (a bad block's: its codes are 0)
         up = np.repeat(unsigned, STATE_BLOCK)[:n]
-        codes[...] = np.where(up, np.searchsorted(BOUNDS[False], x),
-                              np.searchsorted(BOUNDS[True], x))  # fmt: skip
+        top = x.view(np.uint32) >> np.uint32(16)
+        code = np.where(up, FIRST_CODES[False][top], FIRST_CODES[True][top]).astype(np.int32)
+        while True:  # the scan: a bound or two between the first code and x, at most
+            below = np.where(up, _PAST[False][code], _PAST[True][code]) < x
+            if not below.any():
+                break
+            code += below
+        codes[...] = code
         codes[np.repeat(bad, STATE_BLOCK)[:n]] = 0
 
 
@@ -441,7 +464,7 @@ def _numba_decode8(codes, scales, unsigned, signed, out, block):
 
 
 @jit
-def _numba_encode8(values, unsigned, signed, codes, scales, block):
+def _numba_encode8(values, unsigned, signed, first_unsigned, first_signed, codes, scales, block):
     n = values.size
     for b in range((n + block - 1) // block):
         lo, hi = b * block, min(n, (b + 1) * block)
@@ -457,19 +480,16 @@ def _numba_encode8(values, unsigned, signed, codes, scales, block):
         up = low >= 0 and not bad
         scales[b] = np.float32(np.nan) if bad else (amax if up else -amax)
         bounds = unsigned if up else signed
+        starts = first_unsigned if up else first_signed
         for i in range(lo, hi):
             if bad or amax == 0:
                 codes[i] = 0
                 continue
             x = values[i] / amax
-            first, last = 0, bounds.size
-            while first < last:  # how many bounds lie below x
-                middle = (first + last) // 2
-                if bounds[middle] < x:
-                    first = middle + 1
-                else:
-                    last = middle
-            codes[i] = first
+            code = np.int32(starts[np.int32(np.float32(x).view(np.uint32) >> np.uint32(16))])
+            while code < bounds.size and bounds[code] < x:  # how many bounds lie below x
+                code += 1
+            codes[i] = code
 
 
 _CUDA8: dict[str, tuple[str, str, str]] = {

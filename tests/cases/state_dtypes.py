@@ -209,35 +209,42 @@ def near_8bit(opt, model, got, want, variant, options, where):
 
 
 def checkpoint():
+    """Every pair of modes, through a checkpoint and through the consolidated file."""
     init = kit.init_values(SHAPES)
     for saver, loader in (("bfloat16", "float32"), ("float32", "bfloat16"), ("int8", "float32"),
                           ("float32", "int8"), ("int8", "bfloat16")):
         opt = ZeroAdamW(dict(init), world, lr=1e-2, param_dtype="bfloat16", state_dtype=saver,
                         bucket_elements=64)
         kit.train(opt, range(3), SHAPES)
-        where = ARGS.directory / f"from-{saver}"
-        opt.save(where)
+        root, file = ARGS.directory / f"from-{saver}", ARGS.directory / f"{saver}.safetensors"
+        opt.save(root)
+        opt.save_consolidated(file)
         full = rows_by_tensor(opt, world)
-        if rank == 0:
-            other = ZeroAdamW(dict(init), MPI.COMM_SELF, lr=1e-2, param_dtype="bfloat16",
-                              state_dtype=loader, bucket_elements=64)
-            other.load(where)
-            got = rows_by_tensor(other, MPI.COMM_SELF)
-            for name in ("exp_avg", "exp_avg_sq"):
-                for k in SHAPES:
-                    saved, where = full[name][k], f"{saver} -> {loader} {name} {k}"
-                    if loader == "int8" and k == "big":  # quantized once, within a code
-                        off = np.abs(got[name][k] - saved)
-                        largest = np.abs(saved).max()
-                        check((off <= 0.08 * np.abs(saved) + 0.005 * largest).all(), where)
-                        continue
-                    want = saved.astype(BFLOAT16).astype(np.float32) \
-                        if loader == "bfloat16" else saved  # (fp32: small tensors' in int8)
-                    check(kit.same_bits(got[name][k], want), where)
-            check(all(kit.same_bits(got["master"][k], full["master"][k]) for k in SHAPES))
-            kit.train(other, range(3, 5), SHAPES)  # and it steps on
+        for load, path in (("load", root), ("load_consolidated", file)):
+            if rank == 0:
+                other = ZeroAdamW(dict(init), MPI.COMM_SELF, lr=1e-2, param_dtype="bfloat16",
+                                  state_dtype=loader, bucket_elements=64)
+                getattr(other, load)(path)
+                same_loaded(rows_by_tensor(other, MPI.COMM_SELF), full,
+                            f"{saver} -> {loader} ({load})", loader)
+                kit.train(other, range(3, 5), SHAPES)  # and it steps on
         world.Barrier()
     print(f"rank {rank}: checkpoint: both ways, at 1 rank from {size}") if rank == 0 else None
+
+
+def same_loaded(got, full, where, loader) -> None:
+    """The state ``got`` after a load of ``full`` into a ``loader`` state: exact, or rounded to
+    nearest (bf16), or quantized once (8-bit; its small tensors exact)."""
+    for name in ("exp_avg", "exp_avg_sq"):
+        for k in SHAPES:
+            saved, what = full[name][k], f"{where} {name} {k}"
+            if loader == "int8" and k == "big":  # quantized once, within a code
+                off = np.abs(got[name][k] - saved)
+                check((off <= 0.08 * np.abs(saved) + 0.005 * np.abs(saved).max()).all(), what)
+                continue
+            want = saved.astype(BFLOAT16).astype(np.float32) if loader == "bfloat16" else saved
+            check(kit.same_bits(got[name][k], want), what)
+    check(all(kit.same_bits(got["master"][k], full["master"][k]) for k in SHAPES), where)
 
 
 def rows_by_tensor(opt, comm) -> dict:
