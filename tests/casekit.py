@@ -7,7 +7,8 @@ build optimizers in one process.
   which every rank can compute), ``mean_grads`` (their float64 mean, the oracle's input).
 - Building and training: ``build`` (the engine running one variant of a rule),
   ``groups_of`` (two param groups), ``train`` and ``hand_over`` (write or hand over the
-  gradients, scaled by the loss scale), ``close_to`` and ``near`` (the project's bounds).
+  gradients, scaled by the loss scale), ``close_to`` and ``near`` (the project's bounds),
+  ``state_rows`` and ``rows_by_tensor`` (the sharded state through the public interface).
 - The rules of ``zero1_mpi.rules.registry`` as the tests iterate them: ``rule_cases`` (each
   variant with the option sets that make it), ``oracle`` (the rule's float64 reference where
   ``reference.py`` has one, else one process running the engine on the averaged gradients).
@@ -326,6 +327,21 @@ def state_rows(opt) -> dict:
             rows[row].append(to_numpy(views[row]).reshape(-1).copy())
     return {row: np.concatenate(parts) if parts else np.zeros(0, np.float32)
             for row, parts in rows.items()}
+
+
+def rows_by_tensor(opt, comm=world) -> dict:
+    """Every row of ``shard_state`` as fp32, by row and tensor name: the whole state, on every
+    rank of ``comm`` (the optimizer's)."""
+    full = {row: np.zeros(opt.layout.total, np.float32) for row in opt.state_rows}
+    mine = [(lo, hi, {row: np.asarray(to_numpy(v), np.float32)
+                      for row, v in opt.shard_state(lo, hi, st).items()})
+            for lo, hi, st in opt.layout.owned(opt.shard_rank)]
+    for pieces in comm.allgather(mine):
+        for lo, hi, rows in pieces:
+            for row, values in rows.items():
+                full[row][lo:hi] = values
+    return {row: {t.name: full[row][t.offset : t.offset + t.numel] for t in opt.layout.tensors}
+            for row in full}
 
 
 def sub_cases(table: dict, argv=None) -> list:

@@ -22,7 +22,7 @@ from mpi4py import MPI
 import casekit as kit
 from casekit import check, rank, size, world
 from zero1_mpi import ZeroAdamW, ZeroSGD
-from zero1_mpi.backend import BFLOAT16, to_numpy
+from zero1_mpi.backend import BFLOAT16
 from zero1_mpi.masters import TIE
 
 parser = argparse.ArgumentParser()
@@ -111,7 +111,7 @@ def ties():
         same_state(*opts, f"ties step {step}")
         seen.append(ties_everywhere(opts[1]))
     check(seen == [n, n, 0, n, n], f"ties per step {seen}")  # every master on a tie, or none
-    master = rows_by_tensor(opts[1], world)["master"]["w"]
+    master = kit.rows_by_tensor(opts[1], world)["master"]["w"]
     check(kit.same_bits(master, init["w"] + np.sign(init["w"]) * half), "masters on the ties")
     print(f"rank {rank}: ties: {seen} ties made and dropped by the kernel") if rank == 0 else None
 
@@ -126,14 +126,14 @@ def checkpoint():
         where = ARGS.directory / f"from-{saver}"
         opt.save(where)
         opt.save_consolidated(ARGS.directory / f"{saver}.safetensors")
-        full = rows_by_tensor(opt, world)
+        full = kit.rows_by_tensor(opt, world)
         for load in ("load", "load_consolidated"):
             if rank == 0:  # one rank alone: another world size, the other mode
                 other = ZeroAdamW(dict(init), MPI.COMM_SELF, lr=1e-2, param_dtype="bfloat16",
                                   masters=loader, bucket_elements=64)
                 getattr(other, load)(where if load == "load" else
                                      ARGS.directory / f"{saver}.safetensors")
-                got = rows_by_tensor(other, MPI.COMM_SELF)
+                got = kit.rows_by_tensor(other, MPI.COMM_SELF)
                 for row in ("master", "exp_avg", "exp_avg_sq", "param"):
                     for k in SHAPES:
                         check(kit.same_bits(got[row][k], full[row][k]),
@@ -143,21 +143,6 @@ def checkpoint():
                 kit.train(other, range(3, 5), SHAPES)  # and it steps on
         world.Barrier()
     print(f"rank {rank}: checkpoint: both ways, at 1 rank from {size}") if rank == 0 else None
-
-
-def rows_by_tensor(opt, comm) -> dict:
-    """Every row of ``shard_state`` as fp32, by tensor name: the whole state, on every rank
-    of ``comm``."""
-    full = {row: np.zeros(opt.layout.total, np.float32) for row in opt.state_rows}
-    mine = [(lo, hi, {row: np.asarray(to_numpy(v), np.float32)
-                      for row, v in opt.shard_state(lo, hi, st).items()})
-            for lo, hi, st in opt.layout.owned(opt.shard_rank)]
-    for pieces in comm.allgather(mine):
-        for lo, hi, rows in pieces:
-            for row, values in rows.items():
-                full[row][lo:hi] = values
-    return {row: {t.name: full[row][t.offset : t.offset + t.numel] for t in opt.layout.tensors}
-            for row in full}
 
 
 def ledger():

@@ -30,7 +30,7 @@ import casekit as kit
 import reference as ref
 from casekit import check, rank, size, world
 from zero1_mpi import ZeroAdamW
-from zero1_mpi.backend import BFLOAT16, to_numpy
+from zero1_mpi.backend import BFLOAT16
 from zero1_mpi.state_dtypes import CODES, MIN_8BIT_SIZE, STATE_BLOCK
 
 parser = argparse.ArgumentParser()
@@ -219,13 +219,13 @@ def checkpoint():
         root, file = ARGS.directory / f"from-{saver}", ARGS.directory / f"{saver}.safetensors"
         opt.save(root)
         opt.save_consolidated(file)
-        full = rows_by_tensor(opt, world)
+        full = kit.rows_by_tensor(opt, world)
         for load, path in (("load", root), ("load_consolidated", file)):
             if rank == 0:
                 other = ZeroAdamW(dict(init), MPI.COMM_SELF, lr=1e-2, param_dtype="bfloat16",
                                   state_dtype=loader, bucket_elements=64)
                 getattr(other, load)(path)
-                same_loaded(rows_by_tensor(other, MPI.COMM_SELF), full,
+                same_loaded(kit.rows_by_tensor(other, MPI.COMM_SELF), full,
                             f"{saver} -> {loader} ({load})", loader)
                 kit.train(other, range(3, 5), SHAPES)  # and it steps on
         world.Barrier()
@@ -245,19 +245,6 @@ def same_loaded(got, full, where, loader) -> None:
             want = saved.astype(BFLOAT16).astype(np.float32) if loader == "bfloat16" else saved
             check(kit.same_bits(got[name][k], want), what)
     check(all(kit.same_bits(got["master"][k], full["master"][k]) for k in SHAPES), where)
-
-
-def rows_by_tensor(opt, comm) -> dict:
-    full = {row: np.zeros(opt.layout.total, np.float32) for row in opt.state_rows}
-    mine = [(lo, hi, {row: np.asarray(to_numpy(v), np.float32)
-                      for row, v in opt.shard_state(lo, hi, st).items()})
-            for lo, hi, st in opt.layout.owned(opt.shard_rank)]
-    for pieces in comm.allgather(mine):
-        for lo, hi, rows in pieces:
-            for row, values in rows.items():
-                full[row][lo:hi] = values
-    return {row: {t.name: full[row][t.offset : t.offset + t.numel] for t in opt.layout.tensors}
-            for row in full}
 
 
 def ledger():
