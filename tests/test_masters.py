@@ -87,7 +87,7 @@ def test_bitwise_today_for_every_rule_stage_overlap_and_group(tmp_path):
     assert "OK masters on 3 ranks" in out, out
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4, 6])  # 4: groups of 2; 6: groups of 2 and of 3
 def test_bitwise_today_on_other_world_sizes(n, tmp_path):
     out = run_mpi(n, "masters.py", str(tmp_path), "rules", "ties", "checkpoint",
                   timeout=300).stdout

@@ -5,8 +5,9 @@
 
 ``rules``: every rule of the registry (each variant), bf16 parameters in two param groups,
 stage 1 (plain, and overlapped: ``grads_ready`` with ``step(wait=False)``) and stage 2, flat and
-(N even, N > 2) in shard groups of 2: after every step the parameters, masters and state equal
-those of ``masters="fp32"``, bit for bit, with ties among the initial masters. ``ties``: SGD
+in shard groups of 2 and of 3 where they divide N (N > K): after every step the parameters,
+masters and state equal those of ``masters="fp32"``, bit for bit, with ties among the initial
+masters. ``ties``: SGD
 steps that land masters on ties (half a bf16 step above an even value) and off them again.
 ``checkpoint``: a remainder run's checkpoint (and consolidated file) loads into an fp32-master
 optimizer on one rank and the other way, to the bit. ``ledger``: ``memory_report`` counts 2
@@ -66,7 +67,7 @@ def make(variant, options, masters, stage2=False, k=None, on=world):
 
 
 def rules():
-    groups = [None] + ([2] if size % 2 == 0 and size > 2 else [])
+    groups = [None] + [k for k in (2, 3) if size % k == 0 and size > k]
     count = 0
     for entry in kit.registry().values():
         for variant, options in kit.variant_cases(entry):
