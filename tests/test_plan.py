@@ -126,10 +126,19 @@ def test_stage_2_and_float16_sums():
 
 
 def test_memory_per_rank():
-    assert plan(PSI, 4, 2, bandwidth=1e9)["memory"]["bytes_per_rank"] == 2 * PSI + 2 * PSI + 3 * PSI
+    """Adam's K as the engine keeps it by default: bf16 parameters' remainder masters (10), or
+    fp32 masters with 8-bit gathers or on request (12); ``state_dtype`` narrows it."""
+    assert plan(PSI, 4, 2, bandwidth=1e9)["memory"]["bytes_per_rank"] == 2 * PSI + 2 * PSI \
+        + 10 * PSI / 4
     node = plan(PSI, 4, 2, "node", bandwidth=1e9)["memory"]
-    assert node["bytes_per_rank"] == 10 * PSI and node["formula"] == "2Ψ+2Ψ+12Ψ/2"
-    assert plan(PSI, 4, 2, stage=2, bandwidth=1e9)["memory"]["formula"] == "2Ψ+14Ψ/4"
+    assert node["bytes_per_rank"] == 9 * PSI and node["formula"] == "2Ψ+2Ψ+10Ψ/2"
+    assert plan(PSI, 4, 2, stage=2, bandwidth=1e9)["memory"]["formula"] == "2Ψ+12Ψ/4"
+    for options in ({"masters": "fp32"}, {"gather": "int8"}, {"dtype": "float16"}):
+        assert plan(PSI, 4, 2, bandwidth=1e9, **options)["memory"]["formula"] == "2Ψ+2Ψ+12Ψ/4"
+    assert plan(PSI, 4, 2, bandwidth=1e9, state_dtype="int8")["memory"]["formula"] == \
+        "2Ψ+2Ψ+4.03125Ψ/4"
+    with pytest.raises(ValueError, match="masters='remainder'"):
+        plan(PSI, 4, 2, bandwidth=1e9, masters="remainder", gather="int8")
     fp32 = plan(PSI, 4, 2, dtype="float32", bandwidth=1e9)["memory"]
     assert fp32["bytes_per_rank"] == 8 * PSI + 8 * PSI / 4
     # error feedback: a residual per compressed hop: Ψ of the gradients' dtype within the group,

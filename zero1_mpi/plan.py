@@ -20,7 +20,13 @@ from collections import Counter, defaultdict
 from typing import NoReturn
 
 from .layout import DEFAULT_BUCKET_ELEMENTS
-from .memory import format_param_count, parse_param_count, stage_bytes
+from .memory import (
+    STATE_BYTES,
+    bytes_per_param,
+    format_param_count,
+    parse_param_count,
+    stage_bytes,
+)
 
 __all__ = ["plan", "compare", "packed_bytes", "parse_rate", "parse_seconds", "main"]
 
@@ -54,7 +60,8 @@ sends over the bandwidth of the slowest link its group spans plus rounds x laten
 bucket of ``bucket_elements``), and the link time, the link bytes over the link's bandwidth (a
 node's ranks share one link); the step's bound sums their maximum over the collectives.
 Padding and the rounding of packed rows per bucket are ignored. Memory per rank: the ZeRO
-formula of ``zero1_mpi.memory`` with the state over K, plus error feedback's residuals (the
+formula of ``zero1_mpi.memory`` with the state over K (Adam's, kept as ``masters`` and
+``state_dtype`` say), plus error feedback's residuals (the
 gradients' dtype for each compressed hop: Ψ values within the group, Ψ/K across, in fp32
 for stage 1's fp32 sums). All
 numbers are bytes and seconds; rates are bits/s. Stdlib only: no numpy, no MPI.
@@ -159,13 +166,16 @@ def plan(
     gather: str | None = None, error_feedback: bool = False, *, bandwidth,
     latency=LINK_LATENCY, node_bandwidth=NODE_BANDWIDTH, micro_batches: int = 1,
     rule_bytes: float | None = None, codec_rate: float = CODEC_VALUES_PER_SECOND,
-    bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
+    bucket_elements: int = DEFAULT_BUCKET_ELEMENTS, masters: str = "auto",
+    state_dtype: str = "float32",
 ) -> dict:  # fmt: skip
     """One step's collectives, link bytes, time bounds and memory per rank, as a JSON-ready
     dict (the module's docstring says what each number is); a ValueError names a bad value
     and its fix. ``bandwidth``, ``node_bandwidth``: bits/s or text (``'1gbit'``);
     ``latency``: seconds or text (``'20us'``); ``rule_bytes``: the rule's sharded bytes per
-    parameter (default Adam's: 12, or 8 for float32); ``codec_rate``: values per second."""
+    parameter (default Adam's with ``masters`` and ``state_dtype`` as the engine takes them:
+    12 for fp16 parameters, 10 for bf16 ones' remainder masters unless 8-bit gathers keep fp32
+    ones, 8 for float32); ``codec_rate``: values per second."""
     psi, n, p = params, ranks, ranks_per_node
     counts = {"params": psi, "ranks": n, "ranks_per_node": p, "micro_batches": micro_batches}
     for name, value in {**counts, "bucket_elements": bucket_elements}.items():
@@ -275,7 +285,14 @@ def plan(
                      micro_batches=micro_batches, bucket_elements=bucket_elements)  # fmt: skip
         saved = plain["link_bytes_per_step"] - link
         result["break_even_bits"] = saved * 8 / codec_seconds if saved > 0 else 0.0
-    rule = (8 if dtype == "float32" else 12) if rule_bytes is None else rule_bytes
+    if masters not in ("auto", "fp32", "remainder") or state_dtype not in STATE_BYTES:
+        _fail(f"masters={masters!r}, state_dtype={state_dtype!r}",
+              f"use auto, fp32 or remainder, and one of {', '.join(STATE_BYTES)}")  # fmt: skip
+    kept = "remainder" if dtype == "bfloat16" and gather is None and masters != "fp32" else "fp32"
+    if masters == "remainder" and kept == "fp32":
+        _fail("masters='remainder'", "it takes bfloat16 parameters and no gather='int8'")
+    adam = bytes_per_param(("exp_avg", "exp_avg_sq"), dtype, kept, state_dtype)
+    rule = adam if rule_bytes is None else rule_bytes
     formula = stage_bytes(psi, k, stage, rule, dtype)
     across = 4 if stage == 1 else b  # stage 1 sums across the groups in fp32
     feedback = (b * psi if int8_within and k > 1 else 0) + (across * shard if r > 1 else 0)
@@ -431,7 +448,11 @@ def main(argv=None) -> int:
     add("--gather", choices=("int8",), default=None, help="gather_dtype")
     add("--error-feedback", action="store_true", help="error_feedback=True")
     add("--rule-bytes", type=_arg(float), default=None, metavar="K",
-        help="the rule's sharded bytes per parameter (default Adam: 12; float32: 8)")  # fmt: skip
+        help="the rule's sharded bytes per parameter (default Adam's, as --masters and "
+        "--state-dtype keep it)")  # fmt: skip
+    add("--masters", choices=("auto", "fp32", "remainder"), default="auto",
+        help="masters (auto: bf16's remainders, 2 bytes)")  # fmt: skip
+    add("--state-dtype", choices=tuple(STATE_BYTES), default="float32", help="state_dtype")
     add("--bandwidth", type=_arg(parse_rate), required=True,
         help="the link between nodes: 1gbit, 25Gbit/s, 100GB/s")  # fmt: skip
     add("--latency", type=_arg(parse_seconds), default=LINK_LATENCY, help="default 20us")
@@ -446,7 +467,8 @@ def main(argv=None) -> int:
     options = {"dtype": a.dtype, "stage": a.stage, "bandwidth": a.bandwidth,
                "latency": a.latency, "node_bandwidth": a.node_bandwidth,
                "micro_batches": a.micro_batches, "rule_bytes": a.rule_bytes,
-               "codec_rate": a.codec_rate}  # fmt: skip
+               "codec_rate": a.codec_rate, "masters": a.masters,
+               "state_dtype": a.state_dtype}  # fmt: skip
     try:
         if a.compare:
             out: object = compare(a.params, a.ranks, a.ranks_per_node, a.shard_group, **options)
