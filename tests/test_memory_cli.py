@@ -101,7 +101,8 @@ def test_stage_1_columns_are_memory_reports_formulas(capsys, dtype, offload, rul
     report = MemoryReport(parameters=0, gradients=0, master_weights=0,
                           state={name: 0 for name in rule_states(rule)}, padding=0,
                           comm_scratch=0, psi=psi, group_size=n, rank=0, param_dtype=dtype,
-                          rule=rule, offloaded=offload)
+                          rule=rule, offloaded=offload,
+                          masters="remainder" if dtype == "bfloat16" and not offload else "fp32")
     row = rows(lines)[n]
     assert row[1] == round(report.formula_bytes / 1e9, 1), lines
     if offload:
@@ -114,8 +115,14 @@ def test_stage_1_columns_are_memory_reports_formulas(capsys, dtype, offload, rul
 
 
 def test_float32_and_bfloat16_numbers(capsys):
-    assert rows(run(capsys, "--param-dtype", "bfloat16", "--ranks", "64"))[64] == \
+    assert rows(run(capsys, "--param-dtype", "float16", "--ranks", "64"))[64] == \
         rows(SEED_TABLE.splitlines())[64]
+    # bf16: 2-byte remainder masters (the engine's default), K = 10: 14Ψ; 2Ψ+2Ψ+10Ψ/64;
+    # 2Ψ+12Ψ/64; 14Ψ/64; offloaded, fp32 masters on the host: the seed's numbers
+    assert rows(run(capsys, "--param-dtype", "bfloat16", "--ranks", "64"))[64] == \
+        [98.0, 29.1, 15.3, 1.5]
+    assert rows(run(capsys, "--param-dtype", "bfloat16", "--offload", "cpu", "--ranks", "64")
+                )[64][:4] == rows(SEED_TABLE.splitlines())[64]
     # 4Ψ+4Ψ+8Ψ/64 = 56.875 GB; stage 2 4Ψ+12Ψ/64; stage 3 16Ψ/64
     assert rows(run(capsys, "--param-dtype", "float32", "--ranks", "64"))[64] == \
         [112.0, 56.9, 29.3, 1.8]

@@ -48,8 +48,15 @@ def describe(rule: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> str:
     return f"{name} (momentum {momentum:g})" if rule == "sgd" else name
 
 
-def _k(rule: str, param_dtype: str, momentum: float) -> int | float:
-    return rule_bytes_per_param(rule, param_dtype, momentum != 0)
+def masters_of(param_dtype: str, offload: bool) -> str:
+    """How the engine keeps the masters by default (``masters="auto"``): bf16 parameters'
+    as remainders, unless offloaded."""
+    return "remainder" if param_dtype == "bfloat16" and not offload else "fp32"
+
+
+def _k(rule: str, param_dtype: str, momentum: float, offload: bool = False) -> int | float:
+    masters = masters_of(param_dtype, offload)
+    return rule_bytes_per_param(rule, param_dtype, momentum != 0, masters)
 
 
 def _num(x) -> str:
@@ -73,13 +80,13 @@ def table_options(
 ) -> dict:
     """``format_table``'s keywords for a rule: ``k`` and a ``label`` naming the class, K and
     stage 1's formula (none for Adam on 16-bit params: the reference chapter's title)."""
-    k = _k(rule, param_dtype, momentum)
+    k = _k(rule, param_dtype, momentum, offload)
     options: dict[str, object] = {"k": k}
     if param_dtype != "float16":
         options["param_dtype"] = param_dtype
     if offload:
         options["offload"] = True
-    if rule != "adam" or param_dtype in FP32_DTYPES:
+    if rule != "adam" or k != 12:
         options["label"] = (
             f"{describe(rule, momentum)}, K = {k} (stage 1: "
             f"{_stage1_label(k, param_dtype, offload)})"
@@ -97,10 +104,15 @@ def formulas(
 ) -> str:
     """The table's formulas in words, one line per stage (``params``: Ψ, named if given)."""
     states = rule_states(rule, momentum != 0)
-    k = _k(rule, param_dtype, momentum)
+    k = _k(rule, param_dtype, momentum, offload)
     fp32 = param_dtype in FP32_DTYPES
     p = g = 4 if fp32 else 2
-    held = ", ".join(([] if fp32 else ["fp32 master"]) + list(states)) or "nothing"
+    master = (
+        "2-byte remainder master"
+        if masters_of(param_dtype, offload) == "remainder"
+        else ("fp32 master")
+    )
+    held = ", ".join(([] if fp32 else [master]) + list(states)) or "nothing"
     n = "N" if shard_group is None else "G"
     over = (
         "N ranks"
@@ -233,8 +245,9 @@ def main(argv=None) -> int:
         "--param-dtype",
         choices=MIXED_DTYPES + FP32_DTYPES,
         default="float16",
-        help="parameter (and gradient) dtype (default float16; bfloat16 takes "
-        "the same bytes; float32 params are their own master)",
+        help="parameter (and gradient) dtype (default float16; bfloat16 keeps its masters as "
+        "2-byte remainders, as the engine does by default unless offloaded; float32 params "
+        "are their own master)",
     )
     parser.add_argument(
         "--offload",
