@@ -55,8 +55,14 @@ class Fp32Masters:
         """A writable view (``write`` needs no call after writing into it)."""
         return self.array[st]
 
-    def write(self, st: slice, values, param) -> None:
+    def write(self, st: slice, values, param, rounded=None) -> None:
+        """Set the masters over ``st`` to ``values`` and ``param`` (None: none apart, fp32
+        parameters) to ``rounded`` (16-bit values as a checkpoint saved them), or to the
+        masters rounded."""
         self.array[st] = backend.like(self.array, values)
+        if param is not None:
+            source = values if rounded is None else rounded
+            param[...] = backend.like(param, source).astype(param.dtype)
 
 
 class RemainderMasters:
@@ -127,8 +133,9 @@ class RemainderMasters:
         self._decode(st, param, out)
         return out
 
-    def write(self, st: slice, values, param) -> None:
-        """Set the masters over ``st`` to ``values`` and ``param`` to their rounding."""
+    def write(self, st: slice, values, param, rounded=None) -> None:
+        """Set the masters over ``st`` to ``values`` and ``param`` to their rounding (always:
+        a remainder completes that, so ``rounded`` is not taken)."""
         values = backend.like(param, values).astype(FP32, copy=False)
         param[...] = values.astype(param.dtype)
         self.store(st, values, param)

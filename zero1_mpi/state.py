@@ -141,10 +141,7 @@ class ShardedState:
         if self.masters is None:  # fp32 parameters: the parameter is the master
             param[...] = backend.like(param, values["master"])
             return
-        self.masters.write(s, values["master"], param)
-        if self.mixed and self.masters.kind == "fp32":
-            rounded = backend.like(param, values.get("param", values["master"]))
-            param[...] = rounded.astype(self.dtype)
+        self.masters.write(s, values["master"], param if self.mixed else None, values.get("param"))
 
     def publish(self) -> None:
         """All-gather the parameters, blocking, after ``views`` were written; all ranks."""
@@ -171,7 +168,8 @@ class ShardedState:
             if self.masters is not None:
                 lo, hi = bucket.shard(self.shard_rank)
                 piece = target[lo - bucket.offset : hi - bucket.offset]
-                self.masters.write(bucket.state, piece, self.flat[lo:hi])
+                param = self.flat[lo:hi] if self.mixed else None  # (rounded above: again)
+                self.masters.write(bucket.state, piece, param)
 
     # -- the update ------------------------------------------------------------------------------
 
