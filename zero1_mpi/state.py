@@ -59,7 +59,14 @@ class ShardedState:
         #: Each bucket's tensor pieces on this rank: ``(tensor, group, a, b)``, ``[a, b)`` in
         #: the bucket's shard; a two-phase rule's calls, and the 8-bit state's segments.
         self._pieces = [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
-        self._by_piece = rule.tensor_sums > 0 or self.state_dtype == "int8"
+        #: Each bucket's elementwise kernel calls: ``(param group, a, b)``, per group, or per
+        #: tensor piece for the 8-bit state (whose blocks start at each piece).
+        self._ranges = [
+            [(g, a, b) for _, g, a, b in pieces]
+            if self.state_dtype == "int8"
+            else [(g, *self._group_range(bucket, g)) for g in range(len(layout.groups))]
+            for bucket, pieces in zip(layout.buckets, self._pieces)
+        ]
         self._allocate(layout.shard_total, largest)
         #: The most elements one kernel call takes (remainder masters: a cache-sized chunk).
         kept = [self.masters, *self.stored.values()]
@@ -262,20 +269,18 @@ class ShardedState:
                     self.kernel.apply(master, *states, param, scalars[index])
                     self._stored(bucket, c, d, master, param)
             return
-        if self._by_piece:
-            for _, group, a, b in self._pieces[bucket.index]:
-                for c, d in self._calls(a, b):
-                    master, states, param = self._arrays(bucket, c, d)
-                    self.kernel(grads[c:d], master, *states, param, scalars[group])
-                    self._stored(bucket, c, d, master, param, states)
-            return
-        lo, hi = bucket.shard(self.shard_rank)
-        for (group_lo, group_hi), s in zip(self.layout.groups, scalars):
-            a, b = max(lo, group_lo) - lo, min(hi, group_hi) - lo
+        for group, a, b in self._ranges[bucket.index]:
             for c, d in self._calls(a, b):
                 master, states, param = self._arrays(bucket, c, d)
-                self.kernel(grads[c:d], master, *states, param, s)
+                self.kernel(grads[c:d], master, *states, param, scalars[group])
                 self._stored(bucket, c, d, master, param, states)
+
+    def _group_range(self, bucket, group: int) -> tuple[int, int]:
+        """``[a, b)``: param group ``group``'s part of this rank's shard of ``bucket`` (empty:
+        ``a >= b``)."""
+        lo, hi = bucket.shard(self.shard_rank)
+        group_lo, group_hi = self.layout.groups[group]
+        return max(lo, group_lo) - lo, min(hi, group_hi) - lo
 
     def _calls(self, a: int, b: int):
         """``[a, b)`` cut into the ranges of one elementwise kernel call each (the bits do
