@@ -31,6 +31,7 @@ __all__ = [
     "like",
     "missing_header_error",
     "ExplainedKernel",
+    "elementwise_kernel",
 ]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -188,3 +189,15 @@ class ExplainedKernel:
             if better is None:
                 raise
             raise better from exc
+
+
+_ELEMENTWISE: dict[str, ExplainedKernel] = {}
+
+
+def elementwise_kernel(name: str, in_params: str, out_params: str, operation: str):
+    """CuPy's ``ElementwiseKernel`` ``name`` (an ``ExplainedKernel``), built at its first use
+    and kept by name for the process."""
+    if name not in _ELEMENTWISE:
+        kernel = xp_for("cupy").ElementwiseKernel(in_params, out_params, operation, name)
+        _ELEMENTWISE[name] = ExplainedKernel(kernel)
+    return _ELEMENTWISE[name]

@@ -229,13 +229,7 @@ _CUDA: dict[str, tuple[str, str, str]] = {
         " rem = (short)r; tied = r == 0x8000;",
     ),
 }
-_cuda_kernels: dict[str, object] = {}
 
 
 def _cuda_kernel(name: str):
-    if name not in _cuda_kernels:
-        cupy = backend.xp_for("cupy")
-        _cuda_kernels[name] = backend.ExplainedKernel(
-            cupy.ElementwiseKernel(*_CUDA[name], f"zero1_remainder_{name}")
-        )
-    return _cuda_kernels[name]
+    return backend.elementwise_kernel(f"zero1_remainder_{name}", *_CUDA[name])

@@ -222,16 +222,10 @@ _CUDA: dict[str, tuple[str, str, str]] = {
         " : a == 0x7F800000u ? top : (u + (x & 0xFFFFu)) >> 16);",
     ),
 }
-_cuda_kernels: dict[str, object] = {}
 
 
 def _cuda_kernel(name: str):
-    if name not in _cuda_kernels:
-        cupy = backend.xp_for("cupy")
-        _cuda_kernels[name] = backend.ExplainedKernel(
-            cupy.ElementwiseKernel(*_CUDA[name], f"zero1_state_bf16_{name}")
-        )
-    return _cuda_kernels[name]
+    return backend.elementwise_kernel(f"zero1_state_bf16_{name}", *_CUDA[name])
 
 
 # -- 8 bits: blockwise dynamic quantization ------------------------------------------------------
@@ -525,10 +519,4 @@ _CUDA8: dict[str, tuple[str, str, str]] = {
 
 
 def _cuda_kernel8(name: str):
-    key = f"int8_{name}"
-    if key not in _cuda_kernels:
-        cupy = backend.xp_for("cupy")
-        _cuda_kernels[key] = backend.ExplainedKernel(
-            cupy.ElementwiseKernel(*_CUDA8[name], f"zero1_state_int8_{name}")
-        )
-    return _cuda_kernels[key]
+    return backend.elementwise_kernel(f"zero1_state_int8_{name}", *_CUDA8[name])

@@ -12,8 +12,6 @@ subnormals, as all its kernels here); scratch allocated once. ``BLOCK``: docs/pe
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import numpy as np
 
 from . import backend
@@ -371,43 +369,33 @@ class CupyCodec:
     """The CuPy twin: CuPy elementwise kernels on the current stream."""
 
     scratch_bytes = 0
-    _kernels: ClassVar[dict] = {}
 
     def __init__(self, block: int = BLOCK):
         self.block = block
 
-    @staticmethod
-    def _kernel(name, params, out, body):
-        if name not in CupyCodec._kernels:
-            cp = backend.xp_for("cupy")
-            CupyCodec._kernels[name] = backend.ExplainedKernel(
-                cp.ElementwiseKernel(params, out, body, name)
-            )
-        return CupyCodec._kernels[name]
-
     def encode(self, x, packed, residual=None) -> None:
         scales, q = split_packed(packed, x.size, self.block)
         if residual is None:
-            self._kernel(
+            backend.elementwise_kernel(
                 "zero1_int8_scales",
                 "raw X x, int64 n, int64 block",
                 "float32 scale",
                 _SCALES.replace("VALUE(j)", "(float)x[j]"),
             )(x, x.size, self.block, scales)
-            self._kernel(
+            backend.elementwise_kernel(
                 "zero1_int8_quantize",
                 "X x, raw float32 scales, int64 block",
                 "int8 q",
                 _QUANTIZE.replace("VALUE", "(float)x").replace("FEEDBACK", ""),
             )(x, scales, self.block, q)
             return
-        self._kernel(
+        backend.elementwise_kernel(
             "zero1_int8_scales_feedback",
             "raw X x, raw X residual, int64 n, int64 block",
             "float32 scale",
             _SCALES.replace("VALUE(j)", "__fadd_rn((float)x[j], (float)residual[j])"),
         )(x, residual, x.size, self.block, scales)
-        self._kernel(
+        backend.elementwise_kernel(
             "zero1_int8_quantize_feedback",
             "X x, raw float32 scales, int64 block",
             "int8 q, X residual",
@@ -417,7 +405,7 @@ class CupyCodec:
         )(x, scales, self.block, q, residual)
 
     def decode_sum(self, rows, n: int, out) -> None:
-        self._kernel(
+        backend.elementwise_kernel(
             "zero1_int8_decode_sum",
             "raw uint8 packed, int32 rows, int64 row_bytes, int64 blocks, int64 block",
             "float32 out", _DECODE_SUM,
@@ -426,7 +414,7 @@ class CupyCodec:
 
     def decode_add(self, packed, target) -> None:
         scales, q = split_packed(packed, target.size, self.block)
-        self._kernel(
+        backend.elementwise_kernel(
             "zero1_int8_decode_add", "int8 q, raw float32 scales, int64 block", "T target",
             _DECODE_ADD,
         )(q, scales, self.block, target)  # fmt: skip
