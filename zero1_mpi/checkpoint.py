@@ -272,11 +272,13 @@ def _agree_written(comm, error, tmp: Path) -> None:
         raise
 
 
-def row_views(state, lo: int, hi: int, start: int) -> list:
+def row_views(state, lo: int, hi: int, start: int, rows=None) -> list:
     """``state``'s views over flat ``[lo, hi)`` (which starts at ``start`` in its shard
-    arrays), one per row of ``state.rows``."""
-    views = state.views(lo, hi, start)
-    return [views[row] for row in state.rows]
+    arrays), one per row of ``state.rows`` (or of ``rows``: only those are read, which may
+    need decoding)."""
+    rows = state.rows if rows is None else rows
+    views = state.views(lo, hi, start, rows)
+    return [views[row] for row in rows]
 
 
 def check_rule(rule, saved_rule, where) -> None:
@@ -302,7 +304,7 @@ def _state_chunks(state, by_row: bool = True):
     if by_row:
         for row in range(len(state.rows)):
             for start, stop, first in pieces:
-                yield to_numpy(row_views(state, start, stop, first)[row])
+                yield to_numpy(row_views(state, start, stop, first, state.rows[row : row + 1])[0])
     else:
         for start, stop, first in pieces:
             yield [to_numpy(view) for view in row_views(state, start, stop, first)]

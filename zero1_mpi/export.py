@@ -61,7 +61,7 @@ def save_consolidated(comm, state, counters, path) -> Path:
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
                     if comm.rank == owner:
-                        view = state.views(start, stop, first + start - lo)[kind]
+                        view = state.views(start, stop, first + start - lo, (kind,))[kind]
                         data = np.ascontiguousarray(to_numpy(view), dtype="<f4")
                         if owner == 0:
                             out.write(data.data)

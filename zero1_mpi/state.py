@@ -118,20 +118,21 @@ class ShardedState:
         """Whether this rank writes its shard to a checkpoint (the first shard group does)."""
         return self.topology.replica == 0
 
-    def views(self, lo: int, hi: int, state: int) -> dict:
+    def views(self, lo: int, hi: int, state: int, names=None) -> dict:
         """This rank's state over the flat range ``[lo, hi)``, a range it owns that starts at
         ``state`` in its shard arrays (``layout.owned(shard_rank)`` lists them): by name for
-        each of ``rows``, an fp32 array (a view, or a copy where a row is kept otherwise) or
-        the 16-bit ``param``. ``write`` changes them, then ``publish()``."""
-        s = slice(state, state + hi - lo)
-        views = {
-            "master": self.flat[lo:hi]
-            if self.masters is None
-            else self.masters.read(s, self.flat[lo:hi]),
-            **{name: kept.read(s) for name, kept in self.stored.items()},
-        }
-        if self.mixed:
-            views["param"] = self.flat[lo:hi]
+        each of ``rows`` (or of ``names``), an fp32 array (a view, or a copy decoded where a
+        row is kept otherwise) or the 16-bit ``param``. ``write`` changes them, then
+        ``publish()``."""
+        s, param = slice(state, state + hi - lo), self.flat[lo:hi]
+        views = {}
+        for name in self.rows if names is None else names:
+            if name == "param":
+                views[name] = param
+            elif name == "master":
+                views[name] = param if self.masters is None else self.masters.read(s, param)
+            else:
+                views[name] = self.stored[name].read(s)
         return views
 
     def write(self, lo: int, hi: int, state: int, values: dict) -> None:
