@@ -364,7 +364,7 @@ def shard_arrays(opt) -> dict:
     state, gradients = opt.state, opt.gradients
     return {"params": state.flat, "grads": None if gradients.sharded else gradients.buffer,
             "master": None if state.masters is None else state.masters.held,
-            "state": dict(state.state)}
+            "state": {name: kept.held for name, kept in state.stored.items()}}
 
 
 def snapshot(opt) -> tuple:
@@ -391,7 +391,7 @@ def fail_in(opt, phase: str, fn) -> None:
     ``"update"``, the rule's kernel on the shard (after the reductions, before the gathers);
     ``"agree"``, the sum of squares before the step's agreement."""
     if phase == "update":
-        opt.state._update_bucket = fn
+        opt.state._update_part = fn
     elif phase == "agree":
         opt._reductions.sum_of_squares = fn
     else:
@@ -415,7 +415,8 @@ def persistent_requests(comm) -> int:
 
 def host_kernel_scratch(opt) -> int:
     """The scratch bytes of ``opt``'s update kernel (with offload, the host kernel's)."""
-    return opt.state.kernel.scratch_bytes
+    state = opt.state
+    return getattr(state, "host_kernel", state.kernel).scratch_bytes
 
 
 def reduce_now(opt) -> np.ndarray:

@@ -90,18 +90,19 @@ def test_rules_bring_their_bytes_per_parameter(capsys, argv, k):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("offload", [False, True, 0.25])
 @pytest.mark.parametrize("rule", ["adam", "sgd", "lion"])
 def test_stage_1_columns_are_memory_reports_formulas(capsys, dtype, offload, rule):
-    """Stage 1 (and offloaded, its device and host columns) equal what ``MemoryReport`` holds
-    an optimizer rank to, for each dtype and rule."""
+    """Stage 1 (and offloaded, whole or a quarter, its device and host columns) equal what
+    ``MemoryReport`` holds an optimizer rank to, for each dtype and rule."""
     n, psi = 64, 7 * 10**9
+    fraction = [] if offload is True else ["--offload-fraction", str(offload)]
     lines = run(capsys, "--rule", rule, "--param-dtype", dtype, "--ranks", str(n),
-                *(["--offload", "cpu"] if offload else []))
+                *(["--offload", "cpu", *fraction] if offload else []))
     report = MemoryReport(parameters=0, gradients=0, master_weights=0,
                           state={name: 0 for name in rule_states(rule)}, padding=0,
                           comm_scratch=0, psi=psi, group_size=n, rank=0, param_dtype=dtype,
-                          rule=rule, offloaded=offload,
+                          rule=rule, offloaded=bool(offload), offload_fraction=float(offload),
                           masters="remainder" if dtype == "bfloat16" and not offload else "fp32")
     row = rows(lines)[n]
     assert row[1] == round(report.formula_bytes / 1e9, 1), lines
@@ -109,7 +110,8 @@ def test_stage_1_columns_are_memory_reports_formulas(capsys, dtype, offload, rul
         assert row[4:] == [round(report.device_formula_bytes / 1e9, 1),
                            round(report.host_formula_bytes / 1e9, 1)], lines
         assert "S1 device" in lines[1] and "stage 1 state offloaded to the host" in lines[0]
-        assert f"host {report.bytes_per_param}Ψ/N" in "\n".join(lines)
+        host = report.host_formula_bytes * n / psi
+        assert f"host {host:g}Ψ/N" in "\n".join(lines)
     else:
         assert len(row) == 4 and report.formula_label in "\n".join(lines)
 
@@ -172,6 +174,9 @@ def test_modes_give_a_column_per_way_of_keeping_the_state(capsys, stage):
     (["--ranks", "8", "12", "--shard-group-size", "8"],
      "--shard-group-size 8 does not divide --ranks 12: pass multiples of 8"),
     (["--modes", "--offload", "cpu"], "--modes takes bf16 parameters, no --offload"),
+    (["--offload-fraction", "0.5"], "--offload-fraction is the share --offload cpu moves"),
+    (["--offload", "cpu", "--offload-fraction", "1.5"],
+     "argument --offload-fraction: '1.5' must be a share above 0, at most 1"),
 ])
 def test_bad_input_is_one_error_line_and_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

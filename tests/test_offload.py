@@ -1,11 +1,13 @@
-"""offload='cpu': the master weights and the rule's state on the host (``zero1_mpi.offload``).
+"""offload='cpu': the master weights and the rule's state on the host (``zero1_mpi.offload``),
+all of them or the share ``offload_fraction``.
 
-On 3 ranks and with hierarchical sharding the offloaded optimizer equals the one without, bit
-for bit, for every rule of the registry and dtype, checkpoints and exports load across the two,
-and right after a load the parameters are the saved ones (tests/cases/offload.py); bad offload
-options fail on every rank (tests/cases/bad_input.py).
-Here too: the threaded host kernel has the one-thread kernel's bits, the copies go one bucket
-ahead, the memory report's split is what tracemalloc measures, and the defaults of threads.
+On 3 ranks and with hierarchical sharding the offloaded optimizer (whole and half) equals the
+one without, bit for bit, for every rule of the registry and dtype, and with stage 2;
+checkpoints and exports load across them, and right after a load the parameters are the saved
+ones (tests/cases/offload.py); bad offload options fail on every rank (tests/cases/bad_input.py).
+Here too: the threaded host kernel has the one-thread kernel's bits, the copies go one part
+ahead, where the host part starts, the memory report's split is what tracemalloc measures
+(whole, in part, stage 2), and the defaults of threads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ from mpirun import run_mpi
 from zero1_mpi import ZeroAdam
 from zero1_mpi.backend import PARAM_DTYPES
 from zero1_mpi.layout import build_layout
-from zero1_mpi.offload import HostShard, ThreadedKernel, each_tensor_sums, resolve_threads
+from zero1_mpi.state import Part
+from zero1_mpi.offload import (
+    HostShard,
+    SplitRow,
+    ThreadedKernel,
+    each_tensor_sums,
+    host_start,
+    resolve_threads,
+)
+from zero1_mpi.state_dtypes import Fp32State
 from zero1_mpi.rules.registry import builtin_rules
 
 
@@ -33,6 +44,7 @@ def test_offloaded_equals_not_offloaded(tmp_path, n, group):
     cases = 18 if group is None else 12  # in groups: fp32 and bf16 (fp16 takes bf16's path)
     assert f"OK offload: {cases} cases x 5 steps on {n} ranks, shard groups of {group or n}" \
         in out, out
+    assert "whole and half; stage 2: 8 cases" in out, out
 
 
 VARIANTS = [(name, index) for name, entry in builtin_rules().items()
@@ -90,26 +102,64 @@ def test_threaded_kernel_raises_a_threads_error():
         kernel(np.zeros(n, np.float32), np.zeros(n, np.float32), None, None)
 
 
-def test_host_shard_copies_one_bucket_ahead_and_pushes_behind():
-    layout = build_layout({"w": (40,), "b": (24,)}, 2, "bfloat16", bucket_elements=16)
+@pytest.mark.parametrize("start", [0, 67])
+def test_host_shard_copies_one_part_ahead_and_pushes_behind(start):
+    """The host parts from ``start`` on (67: the second bucket's shard cut after 3 of its 64
+    positions): each fetched copy is its part of the reduced shard, each push writes its part
+    of this rank's shard and nothing else, and completes the one before."""
+    layout = build_layout({"w": (400,), "b": (240,)}, 2, "bfloat16", bucket_elements=128)
     params = np.zeros(layout.total, PARAM_DTYPES["bfloat16"])
-    shard = HostShard(layout, 1, params, ("exp_avg",), mixed=True)
+    parts = []
+    for bucket in layout.buckets:
+        a = min(max(start - bucket.state.start, 0), bucket.shard_size)
+        if a < bucket.shard_size:
+            parts.append(Part(bucket, a, bucket.shard_size, 10 + len(parts), True))
+    assert [p.a for p in parts] == ([0] * 5 if start == 0 else [3, 0, 0, 0])
+    shard = HostShard(layout, 1, params, ("exp_avg",), True, parts, start)
+    assert shard.master.size == layout.shard_total - start
     reduced = [np.arange(b.shard_size, dtype=np.float32) + 100 * b.index
                for b in layout.buckets]
     seen = []
-    for bucket, grads in shard.fetched(reduced):
-        assert not np.shares_memory(grads, reduced[bucket.index])
-        assert np.array_equal(grads, reduced[bucket.index])
-        shard.params16[bucket.state] = bucket.index + 1
-        seen.append(shard.push(bucket))
-    assert seen == [[]] + [[i] for i in range(len(layout.buckets) - 1)]
-    assert shard.drain() == [len(layout.buckets) - 1]
+    for part, grads in shard.fetched(reduced):
+        source = reduced[part.bucket.index][part.a:part.b]
+        assert not np.shares_memory(grads, source) and np.array_equal(grads, source)
+        shard.output(part)[...] = part.bucket.index + 1
+        seen.append(shard.push(part))
+    indices = [p.bucket.index for p in parts]
+    assert seen == [[]] + [[i] for i in indices[:-1]]
+    assert shard.drain() == indices[-1:]
     for bucket in layout.buckets:
         lo, hi = bucket.shard(1)
-        assert np.all(params[lo:hi] == bucket.index + 1)
+        a = next((p.a for p in parts if p.bucket is bucket), hi - lo)
+        assert np.all(params[lo + a:hi] == bucket.index + 1)
+        assert not params[lo:lo + a].any()  # the device part: the device kernel's
         rest = np.delete(params[bucket.offset:bucket.offset + bucket.size],
                          np.arange(lo - bucket.offset, hi - bucket.offset))
         assert not rest.any()  # only this rank's shard is written; the gather does the rest
+
+
+def test_the_host_part_starts_at_the_piece_nearest_the_fraction():
+    pieces = [(0, 100), (100, 300), (400, 50), (512, 12)]  # 462 real of 576 positions
+    assert host_start(pieces, 576, 1.0) == 0 and host_start(pieces, 576, 0.0) == 576
+    assert host_start(pieces, 576, 0.5) == 100  # 362 on the host: 131 from 231; 62: 169
+    assert host_start(pieces, 576, 0.2) == 400  # 62 of 92.4
+    assert host_start(pieces, 576, 0.02) == 512  # 12 of 9.24
+    assert host_start(pieces, 576, 0.01) == 576  # 0 of 4.62 (12 is farther)
+    assert host_start(pieces, 576, 0.99) == 0  # 462
+    assert host_start([], 64, 0.5) == 64  # no real element: nothing to move (ties: earlier)
+
+
+def test_split_rows_read_and_write_across_the_cut():
+    device, host = Fp32State(np.arange(5, dtype=np.float32)), Fp32State(np.zeros(3, np.float32))
+    row = SplitRow(device, host, 5, 2)
+    assert row.nbytes == 32 and row.real_bytes(6) == 24
+    assert np.shares_memory(row.read(slice(1, 4)), device.held)  # one side: a view
+    row.write(slice(3, 7), np.array([10, 11, 12, 13], np.float32))
+    assert row.held.tolist() == [0, 1, 2, 10, 11, 12, 13, 0]
+    assert row.read(slice(4, 8)).tolist() == [11, 12, 13, 0]
+    assert row.load(slice(6, 8), 0).base is host.held
+    with pytest.raises(ValueError, match="cross the offload cut 5"):
+        row.load(slice(4, 6), 0)
 
 
 def test_memory_report_is_what_tracemalloc_measures():
@@ -134,6 +184,36 @@ def test_memory_report_is_what_tracemalloc_measures():
     assert "device formula" in str(report) and "host 12Ψ/N" in str(report)
 
 
+@pytest.mark.parametrize("param_dtype, stage2", [("bfloat16", False), ("float32", False),
+                                                 ("bfloat16", True)])
+def test_partial_offload_memory_is_what_tracemalloc_measures(param_dtype, stage2):
+    """offload_fraction=0.3 of ten equal tensors: three on the host, seven on the device, each
+    side's bytes as the formula says, and all of it what tracemalloc measures."""
+    params = {f"w{i}": np.ones(100_000, np.float32) for i in range(10)}
+    engine = dict(param_dtype=param_dtype, offload="cpu", offload_threads=2, masters="fp32",
+                  offload_fraction=0.3, shard_gradients=stage2)
+    ZeroAdam({"w": np.ones(10, np.float32)}, **engine).step()  # imports outside the count
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        opt = ZeroAdam(params, **engine)
+        measured = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    r = opt.memory_report()
+    psi, device_k = 1_000_000, 12 if param_dtype == "bfloat16" else 8
+    assert r.offload_fraction == 0.3 and r.host_state == 12 * 300_000
+    assert r.optimizer_state - r.host_state == device_k * 700_000
+    replicated = r.parameters + r.gradients
+    assert r.device_formula_bytes == pytest.approx(replicated + device_k * 700_000)
+    assert r.host_formula_bytes == pytest.approx(12 * 300_000)
+    assert r.device_bytes - r.padding - r.comm_scratch == pytest.approx(r.device_formula_bytes)
+    assert r.host_bytes - r.host_padding - r.host_scratch == pytest.approx(r.host_formula_bytes)
+    assert r.total <= measured < r.total + 256 * 1024, (measured, r.total)
+    assert r.gradients == psi * (2 if param_dtype == "bfloat16" else 4)
+    assert "offload_fraction=0.3" in repr(opt)
+
+
 def test_threads_default_to_the_cores_the_rank_may_use(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
@@ -148,9 +228,10 @@ def test_threads_default_to_the_cores_the_rank_may_use(monkeypatch):
 
 
 @pytest.mark.parametrize("rule", ["adam", "sgd"])
-def test_offload_bench_tool_reports_both_settings(tmp_path, rule):
+def test_offload_bench_tool_reports_every_setting(tmp_path, rule):
     """`tools/bench.py offload` on NumPy parameters (the device script runs it on a GPU): the
-    device holds 16-bit params and grads only when offloaded, the host the rest."""
+    device holds 16-bit params and grads only when offloaded whole, the host the rest; half
+    offloaded, half of the state on each side."""
     import json
     import subprocess
     import sys
@@ -161,8 +242,11 @@ def test_offload_bench_tool_reports_both_settings(tmp_path, rule):
                              "--steps", "1", "--rule", rule, "--json", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    plain, offloaded = json.loads(out.read_text())["rows"]
+    plain, half, offloaded = json.loads(out.read_text())["rows"]
     k = {"adam": 12, "sgd": 4}[rule]  # SGD by default has no momentum: the master only
+    assert half["fraction"] == 0.5  # 4 of the 8 tensors, fp32 masters on both sides
+    assert half["device_formula_per_param"] == pytest.approx(4 + k / 2)
+    assert half["host_formula_per_param"] == pytest.approx(k / 2)
     # not offloaded, bf16 masters are remainders (2 bytes); offloaded, fp32 on the host
     assert plain["device_formula_per_param"] == 4 + k - 2
     assert plain["host_formula_per_param"] == 0

@@ -60,11 +60,12 @@ def test_repr_says_rule_groups_world_stage_dtypes_and_offload():
     groups = [{"params": {"w": np.ones((2, 3), np.float32)}},
               {"params": {"b": np.ones(3, np.float32)}, "weight_decay": 0.0}]
     opt = ZeroAdamW(groups, MPI.COMM_SELF, lr=0.01, param_dtype="bfloat16",
-                    offload="cpu", offload_threads=1)
+                    offload="cpu", offload_threads=1, offload_fraction=0.25)
     text = repr(opt)
     for words in ("ZeroAdamW (rule 'adam', decoupled_weight_decay=True", "N=1",
                   "shard_group_size=1", "stage 1", "param_dtype=bfloat16",
-                  "reduce_dtype=float32", "offload='cpu'", "Parameter Group 0 (1 tensors)",
+                  "reduce_dtype=float32", "offload='cpu', offload_fraction=0.25",
+                  "Parameter Group 0 (1 tensors)",
                   "    lr: 0.01", "Parameter Group 1 (1 tensors)", "    weight_decay: 0.0"):
         assert words in text, (words, text)
     staged = ZeroSGD({"w": np.ones(3, np.float32)}, MPI.COMM_SELF, shard_gradients=True,

@@ -40,7 +40,6 @@ def params():
     ({"grad_shard_dtype": "float32"}, "sets the gradient shard of shard_gradients=True"),
     ({"shard_gradients": True, "grad_shard_dtype": "float16"}, "is not supported"),
     ({"shard_gradients": True, "grad_staging": 0}, "grad_staging=0 must be an integer >= 1"),
-    ({"shard_gradients": True, "offload": "cpu"}, "not supported yet"),
 ])
 def test_bad_options_are_refused(options, text):
     with pytest.raises(ValueError, match=text):

@@ -2,7 +2,7 @@
 each: the audit of what the suite proves (docs/testing.md, "Planted bugs").
 
     python tools/plant_bugs.py                 # every bug; a table of bug -> catching tests
-    python tools/plant_bugs.py --only offload-push-all comm-split-settings
+    python tools/plant_bugs.py --only offload-early-gather comm-split-settings
     python tools/plant_bugs.py --list          # the bugs, their files and tests
     python tools/plant_bugs.py --clean         # first run every listed test unplanted
 
@@ -44,13 +44,12 @@ def bug(name, what, tests, *edits):
 
 
 BUGS = [
-    bug("offload-push-all", "offload: after load(), only the first bucket of the host masters "
-        "is pushed to the parameters",
+    bug("offload-early-gather", "partial offload: a bucket whose shard the cut splits starts its "
+        "all-gather when its device part is done, before its host part is copied back",
         ["tests/test_offload.py::test_offloaded_equals_not_offloaded[3-None]"],
-        ("zero1_mpi/offload.py", "        for bucket in self.layout.buckets:\n"
-         "            self.push(bucket)\n        self.drain()",
-         "        for bucket in self.layout.buckets[:1]:\n"
-         "            self.push(bucket)\n        self.drain()")),
+        ("zero1_mpi/state.py",
+         "        return [part.bucket.index] if part.b == part.bucket.shard_size else []",
+         "        return [part.bucket.index]")),
     bug("comm-split-settings", "comm: Communicator.split drops the explicit persistent/"
         "cuda_aware/device_started/stage_host settings",
         ["tests/test_comm.py::test_split_keeps_the_explicit_settings",

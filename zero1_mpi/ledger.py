@@ -4,8 +4,8 @@
 parts allocated (``nbytes``, not formulas) and splits them so that every byte is counted once:
 the real elements of the parameters, the gradients (the full buffer, or stage 2's shard), the
 masters and each state array of this rank's shard; their padding; the scratch a step holds
-(communication slots, kernels', MPI staging); and, where the state is offloaded or the
-parameters live on a GPU, what of it the host holds. Local: no collectives.
+(communication slots, kernels', MPI staging); and, where the state is offloaded (in part or
+whole) or the parameters live on a GPU, what of it the host holds. Local: no collectives.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
     state_bytes = {name: kept.real_bytes(owned) for name, kept in state.stored.items()}
     sharded_real = real["master_weights"] + sum(state_bytes.values())
     held = sum(k.nbytes for k in state.stored.values()) + (0 if masters is None else masters.nbytes)
-    device = state.flat.nbytes + grads.nbytes + (0 if state.on_host else held)
-    padding = (
-        device - real["parameters"] - real["gradients"] - (0 if state.on_host else sharded_real)
-    )
+    host_held, host_real, host_share = state.host_bytes(owned)
+    device = state.flat.nbytes + grads.nbytes + held - host_held
+    padding = device - real["parameters"] - real["gradients"] - (sharded_real - host_real)
     device_scratch, host_scratch = state.scratch_bytes()
     staging = comm.staging_bytes  # page-locked for CuPy parameters: the host's
     staged_on_host = staging if backend == "cupy" else 0
@@ -52,7 +51,9 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         param_dtype=state.dtype.name,
         rule=state.rule.name,
         offloaded=state.on_host,
-        host_padding=held - sharded_real if state.on_host else 0,
+        offload_fraction=host_share if state.on_host else 1.0,
+        host_state=host_real,
+        host_padding=host_held - host_real,
         host_scratch=host_scratch + staged_on_host,
         grad_shard_dtype=grads.dtype.name if gradients.sharded else None,
         checkpoint_buffer=persistence.snapshot_bytes,

@@ -4,7 +4,8 @@ Prints, per rank count, each rank's memory (GB = 1e9 bytes) for Ψ parameters: t
 (plain data parallelism), stages 1 and 2 (what zero1_mpi does; 2 with ``shard_gradients=True``)
 and, for reference, stage 3, then the formulas in words. ``--rule``: the update rule, its bytes
 per parameter K of the sharded part from ``zero1_mpi.rules.registry``; ``--param-dtype``;
-``--offload cpu``: stage 1's device/host split (as ``MemoryReport``); ``--shard-group-size G``:
+``--offload cpu``: stage 1's device/host split (as ``MemoryReport``; ``--offload-fraction F``:
+that share on the host); ``--shard-group-size G``:
 the state sharded over G ranks. Bad input: argparse's one-line error, exit status 2.
 ``table_options`` and ``describe`` serve tools/memory_table.py too. It sits above the rules
 (``zero1_mpi.memory`` imports none) and starts no MPI.
@@ -48,13 +49,13 @@ def describe(rule: str = "adam", momentum: float = DEFAULT_MOMENTUM) -> str:
     return f"{name} (momentum {momentum:g})" if rule == "sgd" else name
 
 
-def masters_of(param_dtype: str, offload: bool) -> str:
+def masters_of(param_dtype: str, offload: bool | float) -> str:
     """How the engine keeps the masters by default (``masters="auto"``): bf16 parameters'
     as remainders, unless offloaded."""
     return "remainder" if param_dtype == "bfloat16" and not offload else "fp32"
 
 
-def _k(rule: str, param_dtype: str, momentum: float, offload: bool = False) -> int | float:
+def _k(rule: str, param_dtype: str, momentum: float, offload: bool | float = False) -> int | float:
     masters = masters_of(param_dtype, offload)
     return rule_bytes_per_param(rule, param_dtype, momentum != 0, masters)
 
@@ -63,12 +64,15 @@ def _num(x) -> str:
     return f"{x:g}"
 
 
-def _stage1_label(k, param_dtype: str, offload: bool, divisor: str = "N") -> str:
-    """``2Ψ+2Ψ+12Ψ/N``, or offloaded ``device 2Ψ+2Ψ, host 12Ψ/N`` (fp32: k + 4 on the host)."""
+def _stage1_label(k, param_dtype: str, offload: bool | float, divisor: str = "N") -> str:
+    """``2Ψ+2Ψ+12Ψ/N``, or offloaded ``device 2Ψ+2Ψ, host 12Ψ/N`` (fp32: k + 4 on the host;
+    a share ``offload`` < 1 of it: ``device 2Ψ+2Ψ+6Ψ/N, host 6Ψ/N``)."""
     replicated = "4Ψ+4Ψ" if param_dtype in FP32_DTYPES else "2Ψ+2Ψ"
     if offload:
-        host = k + (4 if param_dtype in FP32_DTYPES else 0)
-        return f"device {replicated}, host {_num(host)}Ψ/{divisor}"
+        share = float(offload)
+        host = share * (k + (4 if param_dtype in FP32_DTYPES else 0))
+        device = f"+{_num((1 - share) * k)}Ψ/{divisor}" if share < 1 else ""
+        return f"device {replicated}{device}, host {_num(host)}Ψ/{divisor}"
     return f"{replicated}+{_num(k)}Ψ/{divisor}"
 
 
@@ -76,7 +80,7 @@ def table_options(
     rule: str = "adam",
     param_dtype: str = "float16",
     momentum: float = DEFAULT_MOMENTUM,
-    offload: bool = False,
+    offload: bool | float = False,
 ) -> dict:
     """``format_table``'s keywords for a rule: ``k`` and a ``label`` naming the class, K and
     stage 1's formula (none for Adam on 16-bit params: the reference chapter's title)."""
@@ -85,7 +89,7 @@ def table_options(
     if param_dtype != "float16":
         options["param_dtype"] = param_dtype
     if offload:
-        options["offload"] = True
+        options["offload"] = offload
     if rule != "adam" or k != 12:
         options["label"] = (
             f"{describe(rule, momentum)}, K = {k} (stage 1: "
@@ -98,7 +102,7 @@ def formulas(
     rule: str = "adam",
     param_dtype: str = "float16",
     momentum: float = DEFAULT_MOMENTUM,
-    offload: bool = False,
+    offload: bool | float = False,
     shard_group: int | None = None,
     params=None,
 ) -> str:
@@ -119,7 +123,13 @@ def formulas(
         if shard_group is None
         else f"G = {shard_group} ranks (replicated across the N/G groups)"
     )
-    where = ", on the host" if offload else ""
+    where = (
+        ""
+        if not offload
+        else ", on the host"
+        if float(offload) == 1
+        else f", {float(offload):.0%} of it on the host"
+    )
     own = (
         ""
         if not fp32
@@ -195,6 +205,18 @@ def momentum_arg(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a share above 0, at most 1, e.g. 0.5 (0: drop --offload)"
+        )
+    return value
+
+
 def _prog() -> str:
     name = os.path.basename(sys.argv[0] or "")
     return "python -m zero1_mpi.memory" if name in ("", "__main__.py", "-c") else name
@@ -256,6 +278,13 @@ def main(argv=None) -> int:
         help="stage 1's master weights and state on the host: adds its device and host columns",
     )
     parser.add_argument(
+        "--offload-fraction",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help="with --offload cpu: the share of them on the host, above 0, at most 1 (default 1)",
+    )
+    parser.add_argument(
         "--shard-group-size",
         type=_positive,
         default=None,
@@ -288,7 +317,11 @@ def main(argv=None) -> int:
                 f"--shard-group-size {group} does not divide --ranks "
                 f"{' '.join(map(str, bad))}: pass multiples of {group}"
             )
-    offload = args.offload == "cpu"
+    if args.offload_fraction is not None and args.offload is None:
+        parser.error("--offload-fraction is the share --offload cpu moves: pass that too")
+    offload: bool | float = args.offload == "cpu"
+    if offload and args.offload_fraction is not None and args.offload_fraction < 1:
+        offload = args.offload_fraction
     if args.modes:
         if offload or group is not None or args.param_dtype == "float32":
             parser.error("--modes takes bf16 parameters, no --offload, no --shard-group-size")

@@ -1,12 +1,13 @@
 """State offload: this rank's fp32 master weights and rule state on the host, updated there,
 while the device keeps the parameters, gradients and communication scratch (ZeRO-Offload).
 
-``HostShard`` owns the host arrays and the copies: ``fetched(reduced)`` brings each bucket's
-reduced gradient shard into one of two host slots, the next bucket's copy in flight while this
-one is updated; ``push(bucket)`` sends the new parameter shard back and returns the buckets
-whose copies are complete (their all-gathers may start). CuPy parameters: page-locked slots and
-two copy streams of the shard's own. NumPy parameters: the same steps as explicit host copies.
-``ThreadedKernel`` splits a host kernel over threads, bitwise the one-thread kernel.
+``HostShard`` owns the host arrays of the shard's positions from ``start`` on, and the copies:
+``fetched(parts, reduced)`` brings each host part's reduced gradients into one of two host slots,
+the next part's copy in flight while this one is updated; ``push(part)`` sends its new
+parameters back and returns the buckets whose copies are complete (their all-gathers may
+start). CuPy parameters: page-locked slots and two copy streams of the shard's own. NumPy
+parameters: the same steps as explicit host copies. ``ThreadedKernel`` splits a host kernel
+over threads, bitwise the one-thread kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import numpy as np
 
 from . import backend
 
-__all__ = ["HostShard", "ThreadedKernel", "resolve_threads", "each_tensor_sums"]
+__all__ = [
+    "HostShard",
+    "SplitRow",
+    "ParamMasters",
+    "ThreadedKernel",
+    "host_start",
+    "resolve_threads",
+    "each_tensor_sums",
+]
 
 FP32 = np.dtype(np.float32)
 
@@ -42,6 +51,114 @@ def resolve_threads(value, local_ranks: int) -> int:
             "cores this rank may use)"
         )
     return value
+
+
+def host_start(pieces, n: int, fraction: float) -> int:
+    """Where the host part of a shard of ``n`` positions begins for ``offload_fraction``: the
+    start of a tensor piece (``pieces``: ``(position, elements)`` of each, in order), or ``n``,
+    whose part from there on holds the share of the real elements nearest ``fraction`` (ties:
+    the earlier); 0 for 1, ``n`` for 0. A piece is never split, so a two-phase rule sums each
+    piece in one call, on one side, as without offload."""
+    if fraction >= 1.0:
+        return 0
+    if fraction <= 0.0:
+        return n
+    owned = sum(size for _, size in pieces)
+    best, after = (abs(fraction * owned), n), 0  # (distance, start); n: nothing on the host
+    for position, size in reversed(pieces):
+        after += size
+        best = min(best, (abs(after - fraction * owned), position))
+    return best[1]
+
+
+class SplitRow:
+    """One row of a partly offloaded shard (the masters, or one of the rule's state arrays):
+    positions ``[0, cut)`` in ``device``, ``[cut, n)`` in ``host`` (each indexed from its own 0),
+    both with the interface of ``masters.Fp32Masters`` or ``state_dtypes.Fp32State``.
+    ``load`` and ``store`` take a range on one side; ``read`` (a copy where it crosses the
+    cut) and ``write`` any range; ``host_real`` of the real elements are the host's."""
+
+    def __init__(self, device, host, cut: int, host_real: int):
+        self.device, self.host, self.cut, self.host_real = device, host, cut, host_real
+        self.chunk = min(device.chunk, host.chunk)
+        self.scratch_bytes = device.scratch_bytes + host.scratch_bytes
+
+    @property
+    def kind(self) -> str:
+        return self.host.kind
+
+    @property
+    def nbytes(self) -> int:
+        return self.device.nbytes + self.host.nbytes
+
+    def real_bytes(self, owned: int) -> int:
+        return self.device.real_bytes(owned - self.host_real) + self.host.real_bytes(self.host_real)
+
+    @property
+    def held(self) -> np.ndarray:
+        """Both sides' arrays, device first, as one NumPy copy (for tests)."""
+        sides = [side.held for side in (self.device, self.host) if side.held is not None]
+        return np.concatenate([backend.to_numpy(array) for array in sides])
+
+    def load(self, st: slice, *args):
+        side, local = self._side(st)
+        return side.load(local, *args)
+
+    def store(self, st: slice, *args) -> None:
+        side, local = self._side(st)
+        side.store(local, *args)
+
+    def read(self, st: slice, *aligned):
+        """``aligned``: arrays (or None) over ``st`` as the sides' ``read`` takes them."""
+        if st.stop <= self.cut or st.start >= self.cut:
+            side, local = self._side(st)
+            return side.read(local, *aligned)
+        (dev, head), (host, tail) = self._halves(st, aligned)
+        return np.concatenate(
+            [backend.to_numpy(self.device.read(dev, *head)), self.host.read(host, *tail)]
+        )
+
+    def write(self, st: slice, *aligned) -> None:
+        """``aligned``: the values, then arrays (or None) over ``st`` as ``write`` takes them."""
+        if st.stop <= self.cut or st.start >= self.cut:
+            side, local = self._side(st)
+            side.write(local, *aligned)
+            return
+        (dev, head), (host, tail) = self._halves(st, aligned)
+        self.device.write(dev, *head)
+        self.host.write(host, *tail)
+
+    def _side(self, st: slice):
+        if st.start >= self.cut:
+            return self.host, slice(st.start - self.cut, st.stop - self.cut)
+        if st.stop > self.cut:
+            raise ValueError(f"positions {st.start}..{st.stop} cross the offload cut {self.cut}")
+        return self.device, st
+
+    def _halves(self, st: slice, aligned):
+        k = self.cut - st.start
+        head = [None if a is None else a[:k] for a in aligned]
+        tail = [None if a is None else a[k:] for a in aligned]
+        return (slice(st.start, self.cut), head), (slice(0, st.stop - self.cut), tail)
+
+
+class ParamMasters:
+    """The device side of fp32 parameters' masters: the parameters themselves (no array)."""
+
+    kind = "fp32"
+    scratch_bytes = nbytes = 0
+    chunk = 1 << 62
+    held = None
+
+    def real_bytes(self, owned: int) -> int:
+        return 0
+
+    def read(self, st: slice, param):
+        return param
+
+    def write(self, st: slice, values, param, rounded=None) -> None:
+        if param is not None:
+            param[...] = backend.like(param, values)
 
 
 class ThreadedKernel:
@@ -145,29 +262,39 @@ def each_tensor_sums(kernel, calls: list) -> list:
 
 
 class HostShard:
-    """This rank's offloaded shard: host ``master`` (fp32), ``state`` arrays (by name) and, for
-    16-bit parameters, ``params16`` (the kernel's rounded output), over ``layout.shard_total``
-    elements; and the copies between them and the device buffers.
+    """This rank's offloaded positions ``[start, shard_total)`` of its shard: host ``master``
+    (fp32) and ``state`` arrays (by name), indexed from ``start``; for 16-bit parameters, two
+    slots for the kernel's rounded output (``output(part)``); and the copies to and from the
+    device.
 
     Args:
         layout, shard_rank: the layout and this rank's place in its shard group.
         params: the flat parameter buffer (NumPy or CuPy): where ``push`` writes.
         state_names: the rule's state arrays.
         mixed: 16-bit parameters (else fp32: the host master is what ``push`` sends).
+        parts: the host parts (``state.Part``: ``[a, b)`` of this rank's shard of ``bucket``,
+            a distinct ``index`` each), the positions from ``start`` on, in bucket order.
     """
 
-    def __init__(self, layout, shard_rank: int, params, state_names, mixed: bool):
+    def __init__(self, layout, shard_rank: int, params, state_names, mixed: bool, parts, start=0):
         self.layout, self.shard_rank, self._params = layout, shard_rank, params
+        self.start, self.parts = start, list(parts)
         self._device = backend.is_device_array(params)
-        n = layout.shard_total
+        n = layout.shard_total - start
         # What a copy reads or writes on the host is page-locked on a GPU (async copies).
         self.master = self._host(n, FP32, pinned=not mixed)
         self.state = {name: np.zeros(n, FP32) for name in state_names}
-        self.params16 = self._host(n, params.dtype, pinned=True) if mixed else None
-        largest = max(b.shard_size for b in layout.buckets)
-        # A reduced gradient shard is at most fp32 (16-bit ones are summed in fp32).
+        # Slots of a bucket's whole shard (whatever the host's share of it: the scratch is the
+        # same at every model size); a reduced gradient shard is at most fp32.
+        largest = max(b.shard_size for b in layout.buckets) if self.parts else 0
         self._slots = [
             backend.pinned_empty(largest * FP32.itemsize, self._device) for _ in range(2)
+        ]
+        #: Each host part's turn: its gradient slot and output slot (the one before it may
+        #: still be copying from the other).
+        self._turn = {part.index: i % 2 for i, part in enumerate(self.parts)}
+        self._outputs = [
+            self._host(largest, params.dtype, pinned=True) for _ in range(2 if mixed else 0)
         ]
         self._pushed: deque[tuple[int, Any]] = deque()  # (bucket, event or None), oldest first
         if self._device:
@@ -176,7 +303,7 @@ class HostShard:
             self._to_device = cupy.cuda.Stream(non_blocking=True)
             event = functools.partial(cupy.cuda.Event, disable_timing=True)  # recorded again
             self._fetches = [event(), event()]  # each slot's copy in flight
-            self._pushes = [event() for _ in layout.buckets]  # each bucket's copy back
+            self._pushes = {part.index: event() for part in self.parts}  # each part's copy back
             self._current = event()  # the work queued on the current stream before a step
 
     def _host(self, n: int, dtype, pinned: bool) -> np.ndarray:
@@ -189,50 +316,61 @@ class HostShard:
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the copy buffers: the two gradient slots and the 16-bit output."""
-        return sum(slot.nbytes for slot in self._slots) + (
-            0 if self.params16 is None else self.params16.nbytes
-        )
+        """Bytes of the copy buffers: the two gradient slots and the two 16-bit output slots."""
+        return sum(slot.nbytes for slot in self._slots + self._outputs)
+
+    def output(self, part):
+        """Where the kernel writes host ``part``'s new 16-bit parameters (from its start), for
+        ``push``; None for fp32 parameters (``push`` sends the master)."""
+        if not self._outputs:
+            return None
+        return self._outputs[self._turn[part.index]][: part.b - part.a]
+
+    def positions(self, part) -> slice:
+        """Where ``part`` lies in the host arrays."""
+        first = part.bucket.state.start - self.start
+        return slice(first + part.a, first + part.b)
 
     def fetched(self, reduced):
-        """Yield ``(bucket, host copy of its reduced gradient shard)`` in bucket order, the
-        next bucket's copy started before this one is yielded. A copy is valid until the
-        generator is advanced twice; ``reduced`` as ``BucketPipeline.reduce_all`` gives it."""
-        buckets = self.layout.buckets
+        """Yield ``(part, host copy of its reduced gradients)`` for each host part in order, the
+        next part's copy started before this one is yielded. A copy is valid until the
+        generator is advanced twice; ``reduced``: each bucket's summed gradient shard, as
+        ``BucketPipeline.reduce_all`` gives them."""
+        parts = self.parts
+        if not parts:
+            return
         self._after_current_stream()
-        self._fetch(0, reduced[0])
-        for i, bucket in enumerate(buckets):
-            if i + 1 < len(buckets):
-                self._fetch(i + 1, reduced[i + 1])
-            yield bucket, self._fetched(i, reduced[i])
+        self._fetch(0, self._source(parts[0], reduced))
+        for i, part in enumerate(parts):
+            if i + 1 < len(parts):
+                self._fetch(i + 1, self._source(parts[i + 1], reduced))
+            yield part, self._fetched(i, self._source(part, reduced))
 
-    def push(self, bucket) -> list[int]:
-        """Start copying ``bucket``'s new parameter shard to the device; return the indices of
-        the buckets whose copies are now complete, oldest first (all but the newest)."""
-        lo, hi = bucket.shard(self.shard_rank)
-        source = (self.master if self.params16 is None else self.params16)[bucket.state]
-        target = self._params[lo:hi]
+    def push(self, part) -> list[int]:
+        """Start copying host ``part``'s new parameters to the device; return the indices of the
+        buckets whose copies are now complete, oldest first (all but the newest)."""
+        lo = part.bucket.shard(self.shard_rank)[0]
+        output = self.output(part)
+        source = self.master[self.positions(part)] if output is None else output
+        target = self._params[lo + part.a : lo + part.b]
         event = None
         if self._device:  # as bytes: CuPy's set() would compare bf16 dtypes of two libraries
             target.view(np.uint8).set(source.view(np.uint8), stream=self._to_device)
-            event = self._to_device.record(self._pushes[bucket.index])
+            event = self._to_device.record(self._pushes[part.index])
         else:
             np.copyto(target, source)
-        self._pushed.append((bucket.index, event))
+        self._pushed.append((part.bucket.index, event))
         return self._complete(keep=1)
 
     def drain(self) -> list[int]:
         """Complete every copy ``push`` started; return their bucket indices."""
         return self._complete(keep=0)
 
-    def push_all(self) -> None:
-        """Copy the whole shard to the device parameters, blocking (after a load)."""
-        self._after_current_stream()
-        for bucket in self.layout.buckets:
-            self.push(bucket)
-        self.drain()
-
     # -- internals ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _source(part, reduced):
+        return reduced[part.bucket.index][part.a : part.b]
 
     def _after_current_stream(self) -> None:
         """Order the copy streams after the work queued so far on the current stream (the

@@ -199,6 +199,21 @@ def _offload_threads(value, checked):
     return resolve_threads(value, len(checked["node"]))
 
 
+def _offload_fraction(value, checked):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0.0 <= value <= 1.0:  # (nan fails the comparison too)
+        raise ValueError(
+            f"offload_fraction={value!r} must be a number from 0 to 1: the share of this "
+            "rank's master weights and state kept and updated on the host"
+        )
+    if checked["offload"] is None and value != 1.0:
+        raise ValueError(
+            f"offload_fraction={value!r} sets the share that offload='cpu' moves to the "
+            "host: pass offload='cpu' too, or drop it"
+        )
+    return float(value)
+
+
 def _masters(value, checked):
     if value not in MASTERS:
         raise ValueError(
@@ -247,8 +262,6 @@ def _shard_gradients(value, checked):
         raise ValueError(
             f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients sharded too) or False"
         )
-    if value and checked["offload"] is not None:
-        raise ValueError("shard_gradients=True with offload='cpu' is not supported yet: choose one")
     return value
 
 
@@ -402,6 +415,17 @@ OPTIONS = (
         None,
         _offload_threads,
         doc="the host kernel's threads with ``offload='cpu'`` (None: the cores this rank may use).",
+    ),
+    Option(
+        "offload_fraction",
+        "float",
+        1.0,
+        _offload_fraction,
+        doc="with ``offload='cpu'``, the share of this rank's shard (master weights and "
+        "state) kept and updated on the host, 0 to 1; the rest stays on the device and "
+        "is updated there, first, while the host part's copies and kernel follow. The "
+        "split falls at the tensor-piece boundary nearest it (``memory_report()`` tells "
+        "the bytes on each side).",
     ),
     Option(
         "masters",
@@ -566,10 +590,11 @@ def describe(opt) -> str:
         )
         if getattr(o, name) != plain
     )
+    fraction = f", offload_fraction={o.offload_fraction:g}" if o.offload_fraction != 1 else ""
     lines = [
         f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={n}, shard_group_size="
         f"{k} ({n // k} replicas), {stage}, param_dtype={o.param_dtype.name}, "
-        f"reduce_dtype={o.reduce_dtype}{wire}, offload={o.offload!r})"
+        f"reduce_dtype={o.reduce_dtype}{wire}, offload={o.offload!r}{fraction})"
     ]
     for index, group in enumerate(opt.param_groups):
         lines.append(f"Parameter Group {index} ({len(group['names'])} tensors)")

@@ -2,19 +2,21 @@
 weights (``masters.py`` keeps them) and the rule's state, with the kernel that updates them.
 
 ``ShardedState`` keeps the shard with the parameters (the device, or the host for NumPy);
-``HostState`` (``offload="cpu"``) keeps it on the host, updated there with ``offload``'s copies and
-threaded kernel; ``sharded_state`` builds the one the options ask for. Their interface is all the
-rest of the package sees: ``params`` (views by name), ``rows``, ``views`` and ``write`` (what
-checkpoints and exports read and write, then ``publish()``), ``seed(arrays)`` (rank 0's initial
-values), ``update(reduced, scalars, step)`` (the rule's kernel over the shard, each bucket's
-all-gather started as its new shard lands in the parameter buffer) and ``wait()`` for those gathers.
-It knows no rule's math. Methods that start or complete collectives: all ranks.
+``HostState`` (``offload="cpu"``) keeps the share ``offload_fraction`` on the host, updated there
+with ``offload``'s copies and threaded kernel; ``sharded_state`` builds one. Their interface is
+all the rest of the package sees: ``params`` (views by name), ``rows``, ``views`` and ``write``
+(what checkpoints and exports read and write, then ``publish()``), ``seed(arrays)`` (rank 0's
+initial values), ``update(reduced, scalars, step)`` (the rule's kernel over each of ``parts``,
+each bucket's all-gather started as its new shard lands in the parameter buffer) and ``wait()``
+for those gathers. It knows no rule's math. Methods that start or complete collectives: all ranks.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,14 +24,33 @@ import numpy as np
 from . import backend
 from .gathers import ParamGathers, param_gathers
 from .masters import Fp32Masters, masters_for
-from .offload import HostShard, ThreadedKernel, each_tensor_sums
+from .offload import (
+    HostShard,
+    ParamMasters,
+    SplitRow,
+    ThreadedKernel,
+    each_tensor_sums,
+    host_start,
+)
 from .reductions import resolve_cpu_kernel
 from .state_dtypes import MIN_8BIT_SIZE, Fp32State, state_for
 from .views import Views
 
-__all__ = ["ShardedState", "HostState", "sharded_state", "FP32"]
+__all__ = ["ShardedState", "HostState", "Part", "sharded_state", "FP32"]
 
 FP32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class Part:
+    """``[a, b)`` of this rank's shard of ``bucket``, updated in one place (``on_host``);
+    ``index``: its place in ``ShardedState.parts``."""
+
+    bucket: Any
+    a: int
+    b: int
+    index: int
+    on_host: bool = False
 
 
 class ShardedState:
@@ -59,13 +80,19 @@ class ShardedState:
         #: Each bucket's tensor pieces on this rank: ``(tensor, group, a, b)``, ``[a, b)`` in
         #: the bucket's shard; a two-phase rule's calls, and the 8-bit state's segments.
         self._pieces = [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
-        #: Each bucket's elementwise kernel calls: ``(param group, a, b)``, per group, or per
-        #: tensor piece for the 8-bit state (whose blocks start at each piece).
+        #: What the update runs over, in order: ranges of a bucket's shard (``Part``).
+        self.parts = self._split()
+        #: Each part's tensor pieces, and its elementwise kernel calls: ``(param group, a, b)``,
+        #: per group, or per tensor piece for the 8-bit state (whose blocks start at each).
+        self._part_pieces = [
+            [p for p in self._pieces[part.bucket.index] if part.a <= p[2] < part.b]
+            for part in self.parts
+        ]
         self._ranges = [
             [(g, a, b) for _, g, a, b in pieces]
             if self.state_dtype == "int8"
-            else [(g, *self._group_range(bucket, g)) for g in range(len(layout.groups))]
-            for bucket, pieces in zip(layout.buckets, self._pieces)
+            else [(g, *self._group_range(part, g)) for g in range(len(layout.groups))]
+            for part, pieces in zip(self.parts, self._part_pieces)
         ]
         self._allocate(layout.shard_total, largest)
         #: The most elements one kernel call takes (remainder masters: a cache-sized chunk).
@@ -102,8 +129,11 @@ class ShardedState:
             name: state_for(self.state_dtype, n, largest, xp, self.kernel_kind, i, whole, segments)
             for i, name in enumerate(self.rule.state_names)
         }
-        self.state = {name: kept.held for name, kept in self.stored.items()}
         self.kernel = self.rule.kernel(self.kernel_kind, largest)
+
+    def _split(self) -> list[Part]:
+        """The parts: each bucket's shard whole."""
+        return [Part(b, 0, b.shard_size, b.index) for b in self.layout.buckets]
 
     # -- what checkpoints and exports read and write -------------------------------------------
 
@@ -149,7 +179,7 @@ class ShardedState:
         if self.masters is None:  # fp32 parameters: the parameter is the master
             param[...] = backend.like(param, values["master"])
             return
-        self.masters.write(s, values["master"], param if self.mixed else None, values.get("param"))
+        self.masters.write(s, values["master"], param, values.get("param"))
 
     def publish(self) -> None:
         """All-gather the parameters, blocking, after ``views`` were written; all ranks."""
@@ -195,11 +225,11 @@ class ShardedState:
             kernel_scalars = self._per_tensor_scalars(self._inputs(reduced), scalars, step)
             update, shards = clock() - t0, None
         gather, t0 = 0.0, clock()  # (offloaded, the wait for a gradient's copy is update's)
-        for bucket, grads in self._inputs(shards):
-            self.watch.bucket = bucket.index
-            self._update_bucket(bucket, grads, kernel_scalars)
+        for part, grads in self._inputs(shards):
+            self.watch.bucket = part.bucket.index
+            self._update_part(part, grads, kernel_scalars)
             t1 = clock()
-            for index in self._landed(bucket):
+            for index in self._landed(part):
                 self.gathers.start(index)
             t2 = clock()
             update, gather, t0 = update + t1 - t0, gather + t2 - t1, t2
@@ -212,6 +242,12 @@ class ShardedState:
         kept = sum(k.scratch_bytes for k in (self.masters, *self.stored.values()) if k is not None)
         return self.kernel.scratch_bytes + self.gathers.scratch_bytes + kept, 0
 
+    def host_bytes(self, owned: int) -> tuple[int, int, float]:
+        """``(held, real, share)``: the bytes of the masters and state kept on the host
+        (offload), those of their real elements, and the share of this rank's ``owned`` real
+        elements they hold."""
+        return 0, 0, 0.0
+
     def wait(self) -> None:
         """Complete the all-gathers in flight."""
         self.gathers.wait()
@@ -223,16 +259,21 @@ class ShardedState:
     # -- where the shard lives: HostState overrides these -----------------------------------------
 
     def _inputs(self, reduced):
-        """``(bucket, its reduced gradient shard where the kernel reads it)`` in bucket order;
-        for ``reduced`` None, ``(bucket, None)`` (a second phase reads no gradients)."""
+        """``(part, its reduced gradients where its kernel reads them)`` for each part in order
+        (``reduced``: each bucket's summed shard); for ``reduced`` None, ``(part, None)`` (a
+        second phase reads no gradients)."""
         if reduced is None:
-            return ((bucket, None) for bucket in self.layout.buckets)
-        return zip(self.layout.buckets, reduced)
+            return ((part, None) for part in self.parts)
+        return ((part, reduced[part.bucket.index][part.a : part.b]) for part in self.parts)
 
-    def _landed(self, bucket) -> list[int]:
-        """The buckets whose new shard is in the parameter buffer once ``bucket``'s update is
+    def _landed(self, part) -> list[int]:
+        """The buckets whose new shard is in the parameter buffer once ``part``'s update is
         done (None: after the last), so that their all-gathers may start."""
-        return [] if bucket is None else [bucket.index]
+        return [] if part is None else [part.bucket.index]
+
+    def _kernel_of(self, part):
+        """The kernel that updates ``part``."""
+        return self.kernel
 
     def _arrays(self, bucket, a: int, b: int, at: int = 0) -> tuple:
         """``(master, states, param or None)`` over ``[a, b)`` of this rank's shard of
@@ -260,28 +301,34 @@ class ShardedState:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _update_bucket(self, bucket, grads, scalars) -> None:
-        """Update this rank's shard of ``bucket``: per param group, or per tensor piece (a
+    def _update_part(self, part, grads, scalars) -> None:
+        """Update ``part`` (``grads`` from its start): per param group, or per tensor piece (a
         two-phase rule; the 8-bit state, whose blocks start at each piece)."""
+        bucket, kernel = part.bucket, self._kernel_of(part)
         if self.rule.tensor_sums:
-            for index, _, a, b in self._pieces[bucket.index]:
+            for index, _, a, b in self._part_pieces[part.index]:
                 for c, d in self._calls(a, b):
                     master, states, param = self._arrays(bucket, c, d)
-                    self.kernel.apply(master, *states, param, scalars[index])
+                    kernel.apply(master, *states, param, scalars[index])
                     self._stored(bucket, c, d, master, param)
             return
-        for group, a, b in self._ranges[bucket.index]:
+        for group, a, b in self._ranges[part.index]:
             for c, d in self._calls(a, b):
                 master, states, param = self._arrays(bucket, c, d)
-                self.kernel(grads[c:d], master, *states, param, scalars[group])
+                kernel(grads[c - part.a : d - part.a], master, *states, param, scalars[group])
                 self._stored(bucket, c, d, master, param, states)
 
-    def _group_range(self, bucket, group: int) -> tuple[int, int]:
-        """``[a, b)``: param group ``group``'s part of this rank's shard of ``bucket`` (empty:
-        ``a >= b``)."""
-        lo, hi = bucket.shard(self.shard_rank)
+    def _group_range(self, part, group: int) -> tuple[int, int]:
+        """``[a, b)``: param group ``group``'s range of ``part`` (empty: ``a >= b``), in
+        positions of the bucket's shard."""
+        lo = part.bucket.shard(self.shard_rank)[0]
         group_lo, group_hi = self.layout.groups[group]
-        return max(lo, group_lo) - lo, min(hi, group_hi) - lo
+        return max(lo + part.a, group_lo) - lo, min(lo + part.b, group_hi) - lo
+
+    @property
+    def _sums_xp(self):
+        """Where a two-phase rule's partial sums are added."""
+        return self._xp
 
     def _calls(self, a: int, b: int):
         """``[a, b)`` cut into the ranges of one elementwise kernel call each (the bits do
@@ -293,18 +340,17 @@ class ShardedState:
         this rank owns (updating the rule's state), added per tensor, summed over the group in
         one ``Allreduce``; returns the scalars (``rule.tensor_scalars``) of each tensor this
         rank owns a piece of, by tensor index. ``shards``: as ``_inputs`` gives them."""
-        xp = np if self.on_host else self._xp
         all_pieces = self._pieces
-        sums = xp.zeros((len(self.layout.tensors), self.rule.tensor_sums), np.float64)
-        for (bucket, grads), pieces in zip(shards, all_pieces):
-            calls = []
+        sums = self._sums_xp.zeros((len(self.layout.tensors), self.rule.tensor_sums), np.float64)
+        for part, grads in shards:
+            calls, bucket, pieces = [], part.bucket, self._part_pieces[part.index]
             for _, group, a, b in pieces:
                 master, states, _ = self._arrays(bucket, a, b, at=a)  # whole: one sum a piece
-                calls.append((grads[a:b], master, *states, scalars[group]))
+                calls.append((grads[a - part.a : b - part.a], master, *states, scalars[group]))
             for (index, _, a, b), partial, call in zip(
-                pieces, each_tensor_sums(self.kernel, calls), calls
+                pieces, each_tensor_sums(self._kernel_of(part), calls), calls
             ):
-                sums[index] += partial
+                sums[index] += backend.like(sums, partial)
                 self._stored(bucket, a, b, None, None, call[2:-1])  # the state it updated
         totals = backend.to_numpy(sums)
         if self.topology.group_size > 1:  # the group's shards cover every tensor once
@@ -319,57 +365,123 @@ class ShardedState:
 
 
 class HostState(ShardedState):
-    """``ShardedState`` with the master weights and the rule's state on the host (ZeRO-Offload):
-    each bucket's reduced gradient shard is copied to the host, updated there by ``threads``
-    threads of the CPU kernel, and its new parameter shard copied back, the copies of
-    neighbouring buckets overlapping the kernel (``offload.HostShard``)."""
+    """``ShardedState`` with the share ``fraction`` of this rank's master weights and rule state
+    on the host (ZeRO-Offload; all of it for 1): the shard's positions from ``cut`` on, a
+    tensor piece's start (``offload.host_start``). The device parts are updated first, by the
+    device's kernel; then each host part's reduced gradients are copied to the host, updated
+    there by ``threads`` threads of the CPU kernel, and its new parameters copied back, the
+    copies of neighbouring parts overlapping the kernel (``offload.HostShard``). Each row is
+    fp32 on both sides (``offload.SplitRow``)."""
 
     on_host = True
 
-    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, *, threads: int):
-        self._threads = threads  # (gather_dtype is refused with offload: plain gathers)
+    def __init__(
+        self, layout, topology, rule, dtype, xp, watch, before_read=None, *, threads, fraction=1.0
+    ):
+        self._threads, self._fraction = threads, fraction
         super().__init__(layout, topology, rule, dtype, xp, watch, before_read)
 
+    def _split(self) -> list[Part]:
+        """Each bucket's shard cut at ``cut``: the device part, then the host part."""
+        pieces = [
+            (bucket.state.start + a, b - a)
+            for bucket, found in zip(self.layout.buckets, self._pieces)
+            for _, _, a, b in found
+        ]
+        self.cut = cut = host_start(pieces, self.layout.shard_total, self._fraction)
+        #: The real elements of the host part.
+        self.host_real = sum(size for position, size in pieces if position >= cut)
+        parts: list[Part] = []
+        for bucket in self.layout.buckets:
+            split = min(max(cut - bucket.state.start, 0), bucket.shard_size)
+            for a, b, on_host in ((0, split, False), (split, bucket.shard_size, True)):
+                if a < b:
+                    parts.append(Part(bucket, a, b, len(parts), on_host))
+        return parts
+
     def _allocate(self, n: int, largest: int) -> None:
+        xp, cut = self._xp, self.cut
         self.kernel_kind = resolve_cpu_kernel()
+        #: Each bucket's host part (at most one), by bucket index.
+        self._host_parts = {part.bucket.index: part for part in self.parts if part.on_host}
         #: The host arrays and the copies between them and the device (``offload.HostShard``).
         self.copies = HostShard(
-            self.layout, self.shard_rank, self.flat, self.rule.state_names, self.mixed
+            self.layout,
+            self.shard_rank,
+            self.flat,
+            self.rule.state_names,
+            self.mixed,
+            list(self._host_parts.values()),
+            cut,
         )
-        self.masters, self.state = Fp32Masters(self.copies.master), self.copies.state
-        self.stored = {name: Fp32State(array) for name, array in self.state.items()}
-        self.kernel = ThreadedKernel(
+        on_device = Fp32Masters(backend.zeros(xp, cut, FP32)) if self.mixed else ParamMasters()
+        self.masters = SplitRow(on_device, Fp32Masters(self.copies.master), cut, self.host_real)
+        self.stored = {
+            name: SplitRow(
+                Fp32State(backend.zeros(xp, cut, FP32)), Fp32State(array), cut, self.host_real
+            )
+            for name, array in self.copies.state.items()
+        }
+        device_kind = "cupy" if xp is not np else self.kernel_kind
+        self.kernel = self.rule.kernel(device_kind, largest) if cut > 0 else None
+        self.host_kernel = ThreadedKernel(
             lambda: self.rule.kernel(self.kernel_kind, largest), self._threads
         )
 
-    def publish(self) -> None:
-        self.gathers.wait()  # they write the buffer the masters are copied into
-        if not self.mixed:  # the host masters are the parameters: to the device first
-            self.copies.push_all()
-        self.gathers.gather_all()
-
     def close(self) -> None:
-        self.kernel.close()
+        self.host_kernel.close()
         super().close()
 
     def scratch_bytes(self) -> tuple[int, int]:
-        return 0, self.copies.scratch_bytes + self.kernel.scratch_bytes
+        device = 0 if self.kernel is None else self.kernel.scratch_bytes
+        return device + self.gathers.scratch_bytes, (
+            self.copies.scratch_bytes + self.host_kernel.scratch_bytes
+        )
+
+    def host_bytes(self, owned: int) -> tuple[int, int, float]:
+        kept = [self.masters, *self.stored.values()]
+        share = self.host_real / owned if owned else float(self.cut == 0)
+        return (
+            sum(row.host.nbytes for row in kept),
+            sum(row.host.real_bytes(self.host_real) for row in kept),
+            share,
+        )
+
+    @property
+    def _sums_xp(self):
+        return np if self.cut == 0 else self._xp
 
     def _inputs(self, reduced):
-        return super()._inputs(None) if reduced is None else self.copies.fetched(reduced)
+        if reduced is None:
+            return super()._inputs(None)
+        on_device = super()._inputs(reduced)
+        return itertools.chain(
+            ((part, grads) for part, grads in on_device if not part.on_host),
+            self.copies.fetched(reduced),
+        )
 
-    def _landed(self, bucket) -> list[int]:
-        return self.copies.drain() if bucket is None else self.copies.push(bucket)
+    def _landed(self, part) -> list[int]:
+        if part is None:
+            return self.copies.drain()
+        if part.on_host:
+            return self.copies.push(part)
+        return [part.bucket.index] if part.b == part.bucket.shard_size else []
+
+    def _kernel_of(self, part):
+        return self.host_kernel if part.on_host else self.kernel
 
     def _arrays(self, bucket, a: int, b: int, at: int = 0) -> tuple:
-        """The host arrays; the kernel's 16-bit output goes to the host copy that ``push``
-        sends (fp32: the host master itself is sent)."""
-        st = slice(bucket.state.start + a, bucket.state.start + b)
-        params16 = self.copies.params16
+        """On the host: the host arrays; the kernel's 16-bit output goes to the slot that
+        ``push`` sends (fp32: the host master itself is sent)."""
+        first = bucket.state.start + a - self.cut
+        if first < 0:
+            return super()._arrays(bucket, a, b, at)
+        st, part = slice(first, first + b - a), self._host_parts[bucket.index]
+        output = self.copies.output(part)
         return (
-            self.masters.array[st],
-            [state[st] for state in self.state.values()],
-            None if params16 is None else params16[st],
+            self.copies.master[st],
+            [state[st] for state in self.copies.state.values()],
+            None if output is None else output[a - part.a : b - part.a],
         )
 
 
@@ -385,6 +497,7 @@ def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> Sh
             watch,
             before_read,
             threads=options.offload_threads,
+            fraction=options.offload_fraction,
         )
     return ShardedState(
         layout, topology, rule, options.param_dtype, xp, watch, before_read, options

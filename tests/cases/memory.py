@@ -68,6 +68,13 @@ RULES = (
     ("adamw int8 wire, error feedback", ZeroAdamW,
      {"reduce_dtype": "int8", "error_feedback": True, "bucket_elements": 1 << 16},
      ("exp_avg", "exp_avg_sq"), (8, 10)),
+    # half offloaded (bf16 only: fp32 masters on both sides, K 12), stage 1 and 2
+    ("adamw half offloaded", ZeroAdamW, {"offload": "cpu", "offload_fraction": 0.5,
+                                         "offload_threads": 1}, ("exp_avg", "exp_avg_sq"),
+     (None, 12)),
+    ("adamw half offloaded, stage 2", ZeroAdamW,
+     {"offload": "cpu", "offload_fraction": 0.5, "offload_threads": 1, "shard_gradients": True,
+      "bucket_elements": 1 << 16}, ("exp_avg", "exp_avg_sq"), (None, 12)),
 )
 
 
@@ -137,6 +144,8 @@ def check_held_memory():
         if make is None:
             continue
         for dtype_name, k in zip(DTYPES, ks):
+            if k is None:
+                continue
             label = f"{what}, {dtype_name}"
             (small, small_report), (large, large_report) = (
                 held_after_a_step(psi, dtype_name, make, options) for psi in SIZES)
@@ -158,6 +167,11 @@ def check_memory(what, names, k, small_pair, large_pair):
         else:
             check(report.error_feedback == 0, f"{what}: error_feedback booked without it")
         check(report.psi == numel, f"{what}: memory_report().psi={report.psi}, not {numel}")
+        if report.offloaded:  # a share of the state on the host (at a piece's start)
+            check(0 < report.offload_fraction < 1 and report.host_state == round(
+                report.optimizer_state * report.offload_fraction),
+                f"{what}: {report.host_state} of {report.optimizer_state} bytes on the host "
+                f"({report.offload_fraction})")
         check_report_names_the_state(what, numel, report, names, k)
     grown = large - small
     formula_grown = (large_report.formula_bytes + large_report.error_feedback

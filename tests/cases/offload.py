@@ -1,9 +1,10 @@
-"""offload='cpu' == the optimizer without it: every rule of the registry (each variant), every
-dtype, param groups, clipping and a loss scale, compared after every step (bitwise on NumPy
-parameters: the same host kernel runs either way; on CuPy ones, within the kernels' rounding).
-Checkpoints and consolidated exports load across offloaded and non-offloaded optimizers and
-train on bitwise; right after a load (before any step) the parameters of every bucket are the
-saved ones; the memory report splits device and host bytes by their formulas.
+"""offload='cpu' == the optimizer without it, whole and in part (offload_fraction=0.5): every
+rule of the registry (each variant), every dtype, param groups, clipping and a loss scale,
+compared after every step (bitwise on NumPy parameters: the same host kernel runs either way;
+on CuPy ones, within the kernels' rounding); and with stage 2 (shard_gradients), each rule.
+Checkpoints and consolidated exports load across offloaded (whole, half) and non-offloaded
+optimizers and train on bitwise; right after a load (before any step) the parameters of every
+bucket are the saved ones; the memory report splits device and host bytes by their formulas.
 
     mpiexec -n N python -m mpi4py tests/cases/offload.py DIR [--backend cupy] [--group K]
 """
@@ -16,6 +17,7 @@ import numpy as np
 import casekit as kit
 from casekit import check, rank, size, world
 from zero1_mpi.backend import to_numpy
+from zero1_mpi.memory import bytes_per_param
 
 parser = argparse.ArgumentParser()
 parser.add_argument("directory", type=Path)
@@ -25,9 +27,13 @@ ARGS = parser.parse_args()
 xp = kit.use_backend(ARGS.backend)
 SHAPES = {"scalar": (), "vec": (7,), "mat": (5, 13), "long": (700,), "wide": (3, 333)}
 STEPS = 5
+HALF = {"offload_fraction": 0.5}
 
 
 def make(variant, options, dtype, offload, groups=True, **engine):
+    """``offload``: None, ``"cpu"`` or ``"half"`` (``"cpu"`` with ``HALF``)."""
+    if offload == "half":
+        offload, engine = "cpu", {**HALF, **engine}
     params = kit.init_values(SHAPES, xp=xp)
     if groups:  # vectors in a second group with their own options
         params = kit.groups_of(params, options, {"lr": options["lr"] / 2})
@@ -59,14 +65,19 @@ def same(a, b, what):
                   f"{what}: off by {np.max(np.abs(x64 - y64))}")
 
 
-def check_parity(label, variant, options, dtype):
-    plain, off = make(variant, options, dtype, None), make(variant, options, dtype, "cpu")
+def check_parity(label, variant, options, dtype, **engine):
+    """Not offloaded, offloaded whole and half: the same after every step."""
+    plain = make(variant, options, dtype, None, **engine)
+    off = make(variant, options, dtype, "cpu", **engine)
+    half = make(variant, options, dtype, "cpu", **HALF, **engine)
     check(off.offload == "cpu" and plain.offload is None, "offload attribute")
+    check(0 < half.memory_report().offload_fraction < 1, "offload_fraction=0.5 split nothing")
     for step in range(1, STEPS + 1):
-        train(plain, [step])
-        train(off, [step])
-        same(state_of(plain), state_of(off), f"{label} {dtype} step {step}")
-    return plain, off
+        for opt in (plain, off, half):
+            train(opt, [step])
+        same(state_of(plain), state_of(off), f"{label} {dtype} {engine} step {step}")
+        same(state_of(plain), state_of(half), f"{label} {dtype} {engine} half, step {step}")
+    return plain, off, half
 
 
 def check_memory(plain, off, dtype):
@@ -94,9 +105,29 @@ def check_memory(plain, off, dtype):
     group.Free()
 
 
+def check_partial_memory(half, dtype):
+    """Half offloaded: the host holds the fp32 master and state of the real elements from the
+    cut on, the device the rest; the share is 0.5 to within one bucket's shard."""
+    r = half.memory_report()
+    owned = half.layout.owned_real(half.shard_rank)
+    on_host = round(r.offload_fraction * owned)
+    check(r.offloaded and r.device_bytes + r.host_bytes == r.total, "device + host != total")
+    check(r.host_state == r.host_bytes_per_param * on_host,
+          f"host state {r.host_state} != {r.host_bytes_per_param} x {on_host} elements")
+    device_k = bytes_per_param(r.state, dtype)  # fp32 parameters: their own master there
+    check(r.optimizer_state - r.host_state == device_k * (owned - on_host),
+          f"device state {r.optimizer_state - r.host_state} != {device_k} x {owned - on_host}")
+    largest = max(b.shard_size for b in half.layout.buckets)
+    check(abs(on_host - owned / 2) <= largest, f"{on_host} of {owned} on the host")
+    formula = r.device_formula_bytes + r.host_formula_bytes
+    check(abs(formula - r.formula_bytes) < 1e-6 * formula, "device + host formula != formula")
+
+
 def check_loads_across(label, variant, options, dtype, export):
-    """Save on one side, load on the other, train on: the same bits as not stopping."""
-    for saver, loader in (("cpu", None), (None, "cpu")):
+    """Save on one side, load on the other, train on: the same bits as not stopping (with
+    ``export``, half offloaded too)."""
+    pairs = [("cpu", None), (None, "cpu")] + ([("half", "cpu"), (None, "half")] if export else [])
+    for saver, loader in pairs:
         first = make(variant, options, dtype, saver, groups=False)
         train(first, range(1, 4))
         where = ARGS.directory / f"{label}-{dtype}-{saver}"
@@ -117,19 +148,19 @@ def check_loads_across(label, variant, options, dtype, export):
                  f"{label} {dtype}: exported with offload={saver!r}, loaded with {loader!r}")
 
 
-def check_params_right_after_a_load(variant, options, dtype):
+def check_params_right_after_a_load(variant, options, dtype, offload):
     """Offloaded, several buckets: save, train on, load (and load the export): the parameters
     read right away, before any step, are the saved ones in every bucket (an evaluation right
     after a resume reads them)."""
-    opt = make(variant, options, dtype, "cpu", groups=False, bucket_elements=64)
+    opt = make(variant, options, dtype, offload, groups=False, bucket_elements=64)
     check(len(opt.layout.buckets) >= 4, f"{len(opt.layout.buckets)} buckets: too few")
     train(opt, range(1, 4))
     saved = kit.params_of(opt)
-    root = ARGS.directory / f"reload-{dtype}"
+    root = ARGS.directory / f"reload-{dtype}-{offload}"
+    export = ARGS.directory / f"reload-{dtype}-{offload}.safetensors"
     opt.save(root)
-    opt.save_consolidated(ARGS.directory / f"reload-{dtype}.safetensors")
-    for load in (lambda: opt.load(root),
-                 lambda: opt.load_consolidated(ARGS.directory / f"reload-{dtype}.safetensors")):
+    opt.save_consolidated(export)
+    for load in (lambda: opt.load(root), lambda: opt.load_consolidated(export)):
         train(opt, range(4, 6))
         check(any(not kit.same_bits(opt.params[k], saved[k]) for k in SHAPES),
               "training on changed nothing: the test would prove nothing")
@@ -143,25 +174,31 @@ def check_params_right_after_a_load(variant, options, dtype):
 
 
 def main():
-    cases = 0
+    cases = staged = 0
     plain = off = None
     for name, entry in kit.registry().items():
         for index, (variant, options) in enumerate(kit.variant_cases(entry)):
             label = f"{name}-{index}"
             # In groups: fp16 takes bf16's path; fp32 keeps a host master of its own
             for dtype in kit.DTYPES if ARGS.group is None else ("float32", "bfloat16"):
-                plain, off = check_parity(label, variant, options, dtype)
+                plain, off, half = check_parity(label, variant, options, dtype)
                 check_memory(plain, off, dtype)
+                check_partial_memory(half, dtype)
                 if dtype != "float16":
                     check_loads_across(label, variant, options, dtype, export=index == 0)
                 cases += 1
+        # stage 2: each rule's last variant (momentum, decoupled decay, ...)
+        variant, options = kit.variant_cases(entry)[-1]
+        for dtype in ("float32", "bfloat16"):
+            check_parity(f"{name} stage 2", variant, options, dtype, shard_gradients=True)
+            staged += 1
     adam = kit.registry()["adam"]
-    for dtype in ("float32", "float16"):
-        check_params_right_after_a_load(*kit.rule_cases(adam)[-1], dtype)
+    for dtype, offload in (("float32", "cpu"), ("float16", "cpu"), ("float32", "half")):
+        check_params_right_after_a_load(*kit.rule_cases(adam)[-1], dtype, offload)
     if rank == 0:
         print(f"OK offload: {cases} cases x {STEPS} steps on {size} ranks, shard groups of "
               f"{plain.shard_group_size} ({ARGS.backend}, host kernel {off.kernel}, "
-              f"{off.offload_threads} threads)")
+              f"{off.offload_threads} threads), whole and half; stage 2: {staged} cases")
 
 
 if __name__ == "__main__":

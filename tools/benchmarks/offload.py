@@ -1,11 +1,12 @@
-"""Offload: step time and bytes per parameter with and without ``offload="cpu"``, one rank.
+"""Offload: step time and bytes per parameter with and without ``offload="cpu"``, one rank;
+offloaded, for each share of --fractions (``offload_fraction``: default 0.5 and 1).
 
 A flat bf16 model of --params parameters (a few large tensors), AdamW by default (--rule). For
 each setting: the median step time (the gradients written before each step, the device
 synchronized after it), the bytes the device holds per parameter as measured (CuPy's memory
 pool; for NumPy parameters the arrays' own bytes) against the report's ``device_bytes``, and the
 host bytes per parameter (the report, and what ``tracemalloc`` saw while building; page-locked
-buffers come from CuPy's pinned pool, which it does not see). Both settings in one run.
+buffers come from CuPy's pinned pool, which it does not see). Every setting in one run.
 Example: python tools/bench.py offload --params 1B --backend cupy
 """
 
@@ -26,6 +27,15 @@ def options(parser) -> None:
     parser.add_argument("--backend", default="cupy", choices=["cupy", "numpy"])
     parser.add_argument("--rule", default="adam", help="a rule of zero1_mpi.rules.registry")
     common.steps(parser, 3)
+    parser.add_argument("--fractions", type=_fractions, default=[0.5, 1.0],
+                        help="offload_fraction of each offloaded row: 0.5,1 (default)")
+
+
+def _fractions(text: str) -> list[float]:
+    values = [float(part) for part in text.split(",")]
+    if not values or not all(0 <= v <= 1 for v in values):
+        raise ValueError(f"--fractions {text!r}: shares from 0 to 1, e.g. 0.5,1")
+    return values
 
 
 def worker(args) -> dict:
@@ -36,17 +46,18 @@ def worker(args) -> dict:
     except ImportError as exc:
         raise SystemExit(f"tools/bench.py offload --backend {args.backend}: {exc}; or measure "
                          "NumPy arrays with --backend numpy") from None
-    return {"rows": [measure(xp, args.params, args.rule, offload, args.steps)
-                     for offload in (None, "cpu")]}
+    settings = [(None, 1.0)] + [("cpu", fraction) for fraction in args.fractions]
+    return {"rows": [measure(xp, args.params, args.rule, offload, args.steps, fraction)
+                     for offload, fraction in settings]}
 
 
-def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
+def measure(xp, psi: int, rule: str, offload, steps: int, fraction: float = 1.0) -> dict:
     """One optimizer of ``psi`` bf16 parameters: its step time and bytes."""
     from mpi4py import MPI
 
     from zero1_mpi.rules.registry import get
 
-    parts = 4
+    parts = 8  # tensors: the share offloaded falls at one of their starts
     sizes = [psi // parts + (i < psi % parts) for i in range(parts)]
     params = {f"w{i}": xp.full(n, 0.01, np.float32) for i, n in enumerate(sizes)}
     device = xp is not np
@@ -58,7 +69,7 @@ def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
     try:
         host_before = tracemalloc.get_traced_memory()[0]
         opt = get(rule).optimizer(params, MPI.COMM_SELF, param_dtype="bfloat16",
-                                  offload=offload)
+                                  offload=offload, offload_fraction=fraction)
         traced = tracemalloc.get_traced_memory()[0] - host_before
     finally:
         tracemalloc.stop()
@@ -77,7 +88,8 @@ def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
         times.append(time.perf_counter() - start)
     report = opt.memory_report()
     held = (pool.used_bytes() - before) if device else report.device_bytes
-    row = {"offload": offload, "psi": psi, "rule": rule, "kernel": opt.kernel,
+    row = {"offload": offload, "fraction": report.offload_fraction if offload else 0.0,
+           "psi": psi, "rule": rule, "kernel": opt.kernel,
            "threads": opt.offload_threads, "step_ms": 1e3 * float(np.median(times[1:])),
            "device_measured_per_param": held / psi,
            "device_report_per_param": report.device_bytes / psi,
@@ -94,14 +106,16 @@ def measure(xp, psi: int, rule: str, offload, steps: int) -> dict:
 def report(args, results: list[dict]) -> dict:
     rows = results[0]["rows"]
     print(f"{args.rule}, {args.params:,} bf16 parameters, 1 rank, {args.backend}")
-    print(f"{'offload':8s} {'step ms':>9s} {'device B/param':>15s} {'(report, formula)':>18s} "
+    print(f"{'offload':12s} {'step ms':>9s} {'device B/param':>15s} {'(report, formula)':>18s} "
           f"{'host B/param':>13s} {'(formula)':>10s}  host kernel")
     for row in rows:
-        print(f"{str(row['offload']):8s} {row['step_ms']:9.1f} "
+        where = f"{row['offload']} {row['fraction']:.2f}" if row["offload"] else "None"
+        print(f"{where:12s} {row['step_ms']:9.1f} "
               f"{row['device_measured_per_param']:15.2f} "
               f"{row['device_report_per_param']:8.2f},{row['device_formula_per_param']:6.1f}   "
               f"{row['host_report_per_param']:13.2f} {row['host_formula_per_param']:10.1f}  "
               f"{row['kernel']} x {row['threads'] or 1}")
-    ratio = rows[1]["step_ms"] / rows[0]["step_ms"]
-    print(f"offloaded step / device step: {ratio:.2f}")
-    return {"rows": rows, "offload_over_device": ratio}
+    ratios = [row["step_ms"] / rows[0]["step_ms"] for row in rows[1:]]
+    print("offloaded step / device step: " + ", ".join(
+        f"{r:.2f} ({row['fraction']:.2f} on the host)" for r, row in zip(ratios, rows[1:])))
+    return {"rows": rows, "offload_over_device": ratios[-1], "ratios": ratios}

@@ -231,7 +231,7 @@ def format_table(
     label: str | None = None,
     shard_group: int | None = None,
     param_dtype: str = "float16",
-    offload: bool = False,
+    offload: bool | float = False,
 ) -> str:
     """The seed's per-GPU memory table (GB = 1e9 bytes) for ``params`` and each GPU count;
     ``k``: bytes per parameter of the optimizer's sharded part (``label`` names it in the
@@ -240,7 +240,8 @@ def format_table(
     groups) instead of all N; rows whose N it does not divide are left out. ``param_dtype``:
     float32 params and grads take 4 bytes each (``k`` then has no master: Adam's 8).
     ``offload``: stage 1 keeps its sharded part on the host (fp32 params then have a master
-    there: k + 4); two more columns split stage 1 into device and host bytes."""
+    there: k + 4), or a number, that share of it (``offload_fraction``); two more columns
+    split stage 1 into device and host bytes."""
     counts = list(gpu_counts)
     for n in counts:
         _check(params, n)
@@ -248,14 +249,19 @@ def format_table(
         _check(params, shard_group)
         counts = [n for n in counts if n % shard_group == 0]
     terms = dict(stage_terms(k, param_dtype))
+    share = float(offload)
+    replicated, sharded = terms["Stage 1"]
+    k_host = sum(sharded) + (4 if param_dtype in FP32_DTYPES else 0)  # + fp32 params' master
     if offload and param_dtype in FP32_DTYPES:  # the host's fp32 master of fp32 params
-        terms["Stage 1"] = (terms["Stage 1"][0], terms["Stage 1"][1] + (4,))
+        terms["Stage 1"] = (replicated, sharded + (4 * share,))
     title = f"Per-GPU memory (GB) for a {format_param_count(params)} parameter model"
     extra = [label] if label else []
     if param_dtype != "float16":
         extra.append(f"{param_dtype} parameters")
     if offload:
-        extra.append("stage 1 state offloaded to the host")
+        extra.append(
+            "stage 1 state offloaded to the host" + ("" if share == 1 else f" ({share:.0%} of it)")
+        )
     if shard_group is not None:
         extra.append(f"sharded within groups of {shard_group} GPUs")
     head = f"{'GPUs':>6}{'Baseline':>12}{'Stage 1':>11}{'Stage 2':>11}{'Stage 3':>11}"
@@ -271,10 +277,9 @@ def format_table(
             for name in terms
         ]
         if offload:
-            replicated, sharded = terms["Stage 1"]
             gb += [
-                _per_rank((replicated, ()), params, ways, unit=1e9),
-                _per_rank(((), sharded), params, ways, unit=1e9),
+                _per_rank((replicated, ((1 - share) * sum(sharded),)), params, ways, unit=1e9),
+                _per_rank(((), (share * k_host,)), params, ways, unit=1e9),
             ]
         lines.append(f"{n:>6}{gb[0]:>11.1f}G" + "".join(f"{x:>10.1f}G" for x in gb[1:]))
     return "\n".join(lines)
@@ -340,6 +345,9 @@ class MemoryReport:
     sharding), and ``rank`` this rank's place among them. ``rule``: the update rule's name,
     for display. ``offloaded``: the master weights and state are on the host (``offload``;
     then fp32 params have a master too), with their padding in ``host_padding``;
+    ``offload_fraction``: the share of this rank's real elements whose master and state are
+    on the host (``offload_fraction``, at a tensor piece's boundary; 1: all), ``host_state``
+    their bytes (None: all of ``optimizer_state`` if offloaded, else 0);
     ``host_scratch``: host buffers for device parameters (MPI staging, offload's copies);
     ``device_bytes`` and ``host_bytes`` split ``total``. ``grad_shard_dtype``: with gradient
     sharding (stage 2), the dtype of the gradient shard that ``gradients`` then counts (the
@@ -369,6 +377,8 @@ class MemoryReport:
     error_feedback: int = 0
     masters: str = "fp32"
     state_dtype: str = "float32"
+    offload_fraction: float = 1.0
+    host_state: int | None = None
 
     def __post_init__(self):
         for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
@@ -399,6 +409,24 @@ class MemoryReport:
             )
         if not isinstance(self.offloaded, bool):
             raise ValueError(f"MemoryReport.offloaded={self.offloaded!r} must be True or False")
+        fraction = self.offload_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, numbers.Real)
+            or not 0 <= fraction <= 1
+        ):
+            raise ValueError(
+                f"MemoryReport.offload_fraction={fraction!r} must be a number from 0 to 1"
+            )
+        if self.host_state is None:
+            object.__setattr__(self, "host_state", self.optimizer_state if self.offloaded else 0)
+        host_state = _count("MemoryReport.host_state", self.host_state)
+        if host_state > self.optimizer_state or (host_state and not self.offloaded):
+            raise ValueError(
+                f"MemoryReport.host_state={host_state} must be at most optimizer_state="
+                f"{self.optimizer_state}, and 0 unless offloaded"
+            )
+        object.__setattr__(self, "host_state", host_state)
         if (
             self.grad_shard_dtype is not None
             and self.grad_shard_dtype not in MIXED_DTYPES + FP32_DTYPES
@@ -432,6 +460,8 @@ class MemoryReport:
                 self.param_dtype,
                 self.rule,
                 self.offloaded,
+                self.offload_fraction,
+                self.host_state,
                 self.grad_shard_dtype,
                 self.masters,
                 self.state_dtype,
@@ -461,7 +491,9 @@ class MemoryReport:
     def bytes_per_param(self) -> int | float:
         """K: the sharded part's bytes per parameter, from the state arrays and the dtype (and
         offloaded fp32 params' host master)."""
-        own_master = 4 if self.offloaded and self.param_dtype in FP32_DTYPES else 0
+        share = self.offload_fraction if self.offloaded else 0
+        own_master = 4 * share if self.param_dtype in FP32_DTYPES else 0
+        own_master = int(own_master) if own_master == int(own_master) else own_master
         return (
             bytes_per_param(self.state, self.param_dtype, self.masters, self.state_dtype)
             + own_master
@@ -472,8 +504,8 @@ class MemoryReport:
         """What the host holds beside the device: ``host_scratch``, ``checkpoint_buffer``,
         and offloaded, the master
         weights, the state and their padding (0 for NumPy parameters not offloaded)."""
-        sharded = self.optimizer_state if self.offloaded else 0
-        return sharded + self.host_padding + self.host_scratch + self.checkpoint_buffer
+        host_state = self.host_state or 0  # (an int once built: None means all or nothing)
+        return host_state + self.host_padding + self.host_scratch + self.checkpoint_buffer
 
     @property
     def device_bytes(self) -> int:
@@ -482,15 +514,28 @@ class MemoryReport:
 
     @property
     def device_formula_bytes(self) -> float:
-        """The formula for ``device_bytes``: 2Ψ+2Ψ (4Ψ+4Ψ for fp32) offloaded, else all."""
+        """The formula for ``device_bytes``: all but ``host_formula_bytes`` (offloaded whole,
+        2Ψ+2Ψ; 4Ψ+4Ψ for fp32; stage 2: 2Ψ and the gradient shard)."""
         if not self.offloaded:
             return self.formula_bytes
-        return float(self.psi * (4 + 4 if self.param_dtype in FP32_DTYPES else 2 + 2))
+        params, grads = _replicated(self.param_dtype)
+        sharded = self.bytes_per_param - self.offload_fraction * self.host_bytes_per_param
+        if self.grad_shard_dtype is not None:  # stage 2: the gradient shard is sharded too
+            sharded, grads = sharded + _replicated(self.grad_shard_dtype)[1], 0
+        return _per_rank(((params, grads), (sharded,)), self.psi, self.group_size)
 
     @property
     def host_formula_bytes(self) -> float:
-        """The formula for ``host_bytes``: KΨ/N offloaded (Adam: 12Ψ/N), else 0."""
-        return self.formula_bytes - self.device_formula_bytes
+        """The formula for ``host_bytes``: offloaded, ``offload_fraction`` of K'Ψ/N, K' the
+        host's bytes a parameter (fp32 master and state: Adam 12Ψ/N), else 0."""
+        if not self.offloaded:
+            return 0.0
+        return self.offload_fraction * self.host_bytes_per_param * self.psi / self.group_size
+
+    @property
+    def host_bytes_per_param(self) -> int | float:
+        """K': what an offloaded element keeps on the host, an fp32 master and fp32 state."""
+        return bytes_per_param(self.state, MIXED_DTYPES[0])
 
     @property
     def formula_bytes(self) -> float:
@@ -514,7 +559,10 @@ class MemoryReport:
             sharded = _replicated(self.grad_shard_dtype)[1] + self.bytes_per_param
             return f"{replicated.split('+')[0]}+{sharded:g}Ψ/N"
         if self.offloaded:
-            return f"device {replicated}, host {self.bytes_per_param:g}Ψ/N"
+            host = self.offload_fraction * self.host_bytes_per_param
+            device = self.bytes_per_param - host
+            on_device = f"+{device:.3g}Ψ/N" if device > 1e-9 else ""
+            return f"device {replicated}{on_device}, host {host:.3g}Ψ/N"
         return f"{replicated}+{self.bytes_per_param:g}Ψ/N"
 
     @property
