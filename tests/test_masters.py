@@ -99,7 +99,8 @@ def test_bitwise_today_on_other_world_sizes(n, tmp_path):
     ({"masters": "half"}, "masters='half' is not understood"),
     ({"masters": "remainder", "param_dtype": "float32"}, "param_dtype is float32"),
     ({"masters": "remainder", "param_dtype": "float16"}, "param_dtype is float16"),
-    ({"masters": "remainder", "param_dtype": "bfloat16", "offload": "cpu"}, "offload='cpu'"),
+    ({"masters": "remainder", "param_dtype": "bfloat16", "offload": "cpu"},
+     "offload='cpu' keeps every master on the host, as fp32 (with offload_fraction below 1"),
     ({"masters": "remainder", "param_dtype": "bfloat16", "gather_dtype": "int8"},
      "gather_dtype='int8'"),
 ])
@@ -123,3 +124,18 @@ def test_auto_chooses_remainders_where_they_apply(dtype, offload, gather, want):
                     offload=offload, gather_dtype=gather)
     assert opt.options.masters == want
     assert opt.memory_report().masters == want
+
+
+@pytest.mark.mpi_independent
+def test_partly_offloaded_remainders_are_the_devices_part():
+    """With offload_fraction < 1, 'auto' keeps fp32 masters (as the memory tool counts) and
+    'remainder' keeps the device's part as remainders, the host's as fp32: K between."""
+    from mpi4py import MPI
+    params = {f"w{i}": np.ones(1000, np.float32) for i in range(4)}
+    engine = dict(param_dtype="bfloat16", offload="cpu", offload_fraction=0.5,
+                  bucket_elements=1024)
+    assert ZeroAdamW(params, MPI.COMM_SELF, **engine).options.masters == "fp32"
+    report = ZeroAdamW(params, MPI.COMM_SELF, masters="remainder", **engine).memory_report()
+    assert report.masters == "remainder" and report.offload_fraction == 0.5
+    assert report.bytes_per_param == 11 and report.host_bytes_per_param == 12
+    assert report.host_state == 12 * 2000 and report.optimizer_state == 10 * 2000 + 12 * 2000

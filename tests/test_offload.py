@@ -2,7 +2,8 @@
 all of them or the share ``offload_fraction``.
 
 On 3 ranks and with hierarchical sharding the offloaded optimizer (whole and half) equals the
-one without, bit for bit, for every rule of the registry and dtype, and with stage 2;
+one without, bit for bit, for every rule of the registry and dtype, with stage 2, and with
+remainder masters (the device's part), bf16 and 8-bit state;
 checkpoints and exports load across them, and right after a load the parameters are the saved
 ones (tests/cases/offload.py); bad offload options fail on every rank (tests/cases/bad_input.py).
 Here too: the threaded host kernel has the one-thread kernel's bits, the copies go one part
@@ -44,7 +45,7 @@ def test_offloaded_equals_not_offloaded(tmp_path, n, group):
     cases = 18 if group is None else 12  # in groups: fp32 and bf16 (fp16 takes bf16's path)
     assert f"OK offload: {cases} cases x 5 steps on {n} ranks, shard groups of {group or n}" \
         in out, out
-    assert "whole and half; stage 2: 8 cases" in out, out
+    assert "whole and half; stage 2: 8 cases; modes: 3 x 4 rules" in out, out
 
 
 VARIANTS = [(name, index) for name, entry in builtin_rules().items()
@@ -115,7 +116,7 @@ def test_host_shard_copies_one_part_ahead_and_pushes_behind(start):
         if a < bucket.shard_size:
             parts.append(Part(bucket, a, bucket.shard_size, 10 + len(parts), True))
     assert [p.a for p in parts] == ([0] * 5 if start == 0 else [3, 0, 0, 0])
-    shard = HostShard(layout, 1, params, ("exp_avg",), True, parts, start)
+    shard = HostShard(layout, 1, params, True, parts, start)
     assert shard.master.size == layout.shard_total - start
     reduced = [np.arange(b.shard_size, dtype=np.float32) + 100 * b.index
                for b in layout.buckets]

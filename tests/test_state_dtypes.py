@@ -74,8 +74,7 @@ def test_every_rule_against_its_model_on_n_ranks(n, tmp_path):
 @pytest.mark.mpi_independent
 @pytest.mark.parametrize("options, text", [
     ({"state_dtype": "float16"}, "state_dtype='float16' is not understood"),
-    ({"state_dtype": "bfloat16", "offload": "cpu", "param_dtype": "bfloat16"},
-     "with offload='cpu' is not supported yet"),
+    ({"state_dtype": None}, "state_dtype=None is not understood: use 'float32'"),
 ])
 def test_bad_values_name_the_value_and_the_fix(options, text):
     from mpi4py import MPI

@@ -50,6 +50,12 @@ BUGS = [
         ("zero1_mpi/state.py",
          "        return [part.bucket.index] if part.b == part.bucket.shard_size else []",
          "        return [part.bucket.index]")),
+    bug("offload-host-segments", "offload: the host part's 8-bit state quantizes the small "
+        "tensors' pieces too (their segments lose the flag)",
+        ["tests/test_offload.py::test_offloaded_equals_not_offloaded[3-None]"],
+        ("zero1_mpi/state.py",
+         "        host_segments = [(a - cut, b - cut, q) for a, b, q in segments if a >= cut]",
+         "        host_segments = [(a - cut, b - cut, True) for a, b, q in segments if a >= cut]")),
     bug("comm-split-settings", "comm: Communicator.split drops the explicit persistent/"
         "cuda_aware/device_started/stage_host settings",
         ["tests/test_comm.py::test_split_keeps_the_explicit_settings",

@@ -85,7 +85,8 @@ class SplitRow:
 
     @property
     def kind(self) -> str:
-        return self.host.kind
+        """The masters' kind on the device (the host keeps fp32 ones)."""
+        return self.device.kind
 
     @property
     def nbytes(self) -> int:
@@ -262,28 +263,26 @@ def each_tensor_sums(kernel, calls: list) -> list:
 
 
 class HostShard:
-    """This rank's offloaded positions ``[start, shard_total)`` of its shard: host ``master``
-    (fp32) and ``state`` arrays (by name), indexed from ``start``; for 16-bit parameters, two
-    slots for the kernel's rounded output (``output(part)``); and the copies to and from the
-    device.
+    """This rank's offloaded positions ``[start, shard_total)`` of its shard: the host
+    ``master`` (fp32, indexed from ``start``; the rule's state is kept beside it, by
+    ``state_dtypes``); for 16-bit parameters, two slots for the kernel's rounded output
+    (``output(part)``); and the copies to and from the device.
 
     Args:
         layout, shard_rank: the layout and this rank's place in its shard group.
         params: the flat parameter buffer (NumPy or CuPy): where ``push`` writes.
-        state_names: the rule's state arrays.
         mixed: 16-bit parameters (else fp32: the host master is what ``push`` sends).
         parts: the host parts (``state.Part``: ``[a, b)`` of this rank's shard of ``bucket``,
             a distinct ``index`` each), the positions from ``start`` on, in bucket order.
     """
 
-    def __init__(self, layout, shard_rank: int, params, state_names, mixed: bool, parts, start=0):
+    def __init__(self, layout, shard_rank: int, params, mixed: bool, parts, start=0):
         self.layout, self.shard_rank, self._params = layout, shard_rank, params
         self.start, self.parts = start, list(parts)
         self._device = backend.is_device_array(params)
         n = layout.shard_total - start
         # What a copy reads or writes on the host is page-locked on a GPU (async copies).
         self.master = self._host(n, FP32, pinned=not mixed)
-        self.state = {name: np.zeros(n, FP32) for name in state_names}
         # Slots of a bucket's whole shard (whatever the host's share of it: the scratch is the
         # same at every model size); a reduced gradient shard is at most fp32.
         largest = max(b.shard_size for b in layout.buckets) if self.parts else 0

@@ -228,8 +228,11 @@ def _masters(value, checked):
             "param_dtype is float16, whose 5 exponent bits do not span fp32's: a master is "
             "not its float16 rounding and 16 more bits (2**-30 rounds to 0)"
         )
-    elif checked["offload"] is not None:
-        why = "offload='cpu' keeps fp32 masters on the host (remainders there: not yet)"
+    elif checked["offload"] is not None and checked["offload_fraction"] == 1:
+        why = (
+            "offload='cpu' keeps every master on the host, as fp32 (with offload_fraction "
+            "below 1 the device's part may be remainders)"
+        )
     elif checked["gather_dtype"] is not None:
         why = (
             "gather_dtype='int8' keeps an approximation of the parameters, and a remainder "
@@ -240,6 +243,8 @@ def _masters(value, checked):
             f"masters='remainder' keeps the 16 bits a bfloat16 parameter lacks, but {why}: "
             "use masters='fp32' (or 'auto')"
         )
+    if value == "auto" and checked["offload"] is not None:
+        return "fp32"  # (the memory tool's tables count offload so too)
     return "remainder" if value != "fp32" and not why else "fp32"
 
 
@@ -248,11 +253,6 @@ def _state_dtype(value, checked):
         raise ValueError(
             f"state_dtype={value!r} is not understood: use 'float32', 'bfloat16' (the rule's "
             "state in 2 bytes, rounded stochastically) or 'int8' (8-bit blocks)"
-        )
-    if value != "float32" and checked["offload"] is not None:
-        raise ValueError(
-            f"state_dtype={value!r} with offload='cpu' is not supported yet (the host keeps "
-            "fp32 state): choose one"
         )
     return value
 
@@ -436,7 +436,9 @@ OPTIONS = (
         "or ``'remainder'`` (bfloat16: the 16 bits the parameter lacks, 2 bytes a "
         "parameter instead of 4, the same masters bit for bit; ``zero1_mpi.masters``). "
         "``'auto'``: remainders for bfloat16 parameters unless ``offload`` or "
-        "``gather_dtype`` is set, else fp32. ``opt.options.masters`` tells which.",
+        "``gather_dtype`` is set, else fp32. With ``offload``, the host keeps fp32 masters; "
+        "``'remainder'`` with ``offload_fraction`` below 1 keeps the device's part so. "
+        "``opt.options.masters`` tells which.",
     ),
     Option(
         "state_dtype",
@@ -448,7 +450,7 @@ OPTIONS = (
         "parameter's index and the step: the same on every rank count) or ``'int8'`` (8-bit "
         "codes of the dynamic map of 8-bit Adam with an fp32 scale per 256 values, about 1 "
         "byte each; tensors under 4096 elements keep fp32). ``zero1_mpi.state_dtypes``. "
-        "Checkpoints hold fp32 state either way.",
+        "Checkpoints hold fp32 state either way; offloaded, the host keeps its part so too.",
     ),
     Option(
         "shard_gradients",

@@ -33,7 +33,7 @@ from .offload import (
     host_start,
 )
 from .reductions import resolve_cpu_kernel
-from .state_dtypes import MIN_8BIT_SIZE, Fp32State, state_for
+from .state_dtypes import MIN_8BIT_SIZE, state_for
 from .views import Views
 
 __all__ = ["ShardedState", "HostState", "Part", "sharded_state", "FP32"]
@@ -110,7 +110,7 @@ class ShardedState:
     def _allocate(self, n: int, largest: int) -> None:
         """The shard's arrays (the masters for 16-bit parameters, as ``masters_kind`` says; for
         fp32 ones the parameter buffer's own range is the master) and the kernel."""
-        xp, tensors = self._xp, self.layout.tensors
+        xp = self._xp
         self.kernel_kind = "cupy" if xp is not np else resolve_cpu_kernel()
         self.masters: Any = (
             masters_for(
@@ -119,17 +119,22 @@ class ShardedState:
             if self.mixed
             else None
         )
-        whole = self.rule.tensor_sums > 0
-        segments = [
-            (bucket.state.start + a, bucket.state.start + b, tensors[t].numel >= MIN_8BIT_SIZE)
-            for bucket, pieces in zip(self.layout.buckets, self._pieces)
-            for t, _, a, b in pieces
-        ]
+        whole, segments = self.rule.tensor_sums > 0, self._segments()
         self.stored: dict = {
             name: state_for(self.state_dtype, n, largest, xp, self.kernel_kind, i, whole, segments)
             for i, name in enumerate(self.rule.state_names)
         }
         self.kernel = self.rule.kernel(self.kernel_kind, largest)
+
+    def _segments(self) -> list:
+        """The 8-bit state's segments: ``(start, stop, quantized)`` of each tensor piece in the
+        shard's positions (tensors under ``MIN_8BIT_SIZE`` keep fp32)."""
+        tensors = self.layout.tensors
+        return [
+            (bucket.state.start + a, bucket.state.start + b, tensors[t].numel >= MIN_8BIT_SIZE)
+            for bucket, pieces in zip(self.layout.buckets, self._pieces)
+            for t, _, a, b in pieces
+        ]
 
     def _split(self) -> list[Part]:
         """The parts: each bucket's shard whole."""
@@ -371,15 +376,27 @@ class HostState(ShardedState):
     device's kernel; then each host part's reduced gradients are copied to the host, updated
     there by ``threads`` threads of the CPU kernel, and its new parameters copied back, the
     copies of neighbouring parts overlapping the kernel (``offload.HostShard``). Each row is
-    fp32 on both sides (``offload.SplitRow``)."""
+    kept on both sides (``offload.SplitRow``) as ``state_dtype`` says; the masters as
+    ``masters`` says on the device, as fp32 on the host."""
 
     on_host = True
 
     def __init__(
-        self, layout, topology, rule, dtype, xp, watch, before_read=None, *, threads, fraction=1.0
+        self,
+        layout,
+        topology,
+        rule,
+        dtype,
+        xp,
+        watch,
+        before_read=None,
+        options=None,
+        *,
+        threads,
+        fraction=1.0,
     ):
         self._threads, self._fraction = threads, fraction
-        super().__init__(layout, topology, rule, dtype, xp, watch, before_read)
+        super().__init__(layout, topology, rule, dtype, xp, watch, before_read, options)
 
     def _split(self) -> list[Part]:
         """Each bucket's shard cut at ``cut``: the device part, then the host part."""
@@ -400,8 +417,9 @@ class HostState(ShardedState):
         return parts
 
     def _allocate(self, n: int, largest: int) -> None:
-        xp, cut = self._xp, self.cut
+        xp, cut, whole = self._xp, self.cut, self.rule.tensor_sums > 0
         self.kernel_kind = resolve_cpu_kernel()
+        device_kind = "cupy" if xp is not np else self.kernel_kind
         #: Each bucket's host part (at most one), by bucket index.
         self._host_parts = {part.bucket.index: part for part in self.parts if part.on_host}
         #: The host arrays and the copies between them and the device (``offload.HostShard``).
@@ -409,20 +427,30 @@ class HostState(ShardedState):
             self.layout,
             self.shard_rank,
             self.flat,
-            self.rule.state_names,
             self.mixed,
             list(self._host_parts.values()),
             cut,
         )
-        on_device = Fp32Masters(backend.zeros(xp, cut, FP32)) if self.mixed else ParamMasters()
+        on_device = (
+            masters_for(self.masters_kind, cut, largest, xp, device_kind, whole)
+            if self.mixed
+            else ParamMasters()
+        )
         self.masters = SplitRow(on_device, Fp32Masters(self.copies.master), cut, self.host_real)
-        self.stored = {
-            name: SplitRow(
-                Fp32State(backend.zeros(xp, cut, FP32)), Fp32State(array), cut, self.host_real
+        segments = self._segments()  # (the cut is a piece's start: none is split)
+        host_segments = [(a - cut, b - cut, q) for a, b, q in segments if a >= cut]
+        device_segments = [s for s in segments if s[0] < cut]
+
+        def row(i: int) -> SplitRow:
+            dtype = self.state_dtype
+            return SplitRow(
+                state_for(dtype, cut, largest, xp, device_kind, i, whole, device_segments),
+                state_for(dtype, n - cut, largest, np, self.kernel_kind, i, whole, host_segments),
+                cut,
+                self.host_real,
             )
-            for name, array in self.copies.state.items()
-        }
-        device_kind = "cupy" if xp is not np else self.kernel_kind
+
+        self.stored = {name: row(i) for i, name in enumerate(self.rule.state_names)}
         self.kernel = self.rule.kernel(device_kind, largest) if cut > 0 else None
         self.host_kernel = ThreadedKernel(
             lambda: self.rule.kernel(self.kernel_kind, largest), self._threads
@@ -471,16 +499,16 @@ class HostState(ShardedState):
         return self.host_kernel if part.on_host else self.kernel
 
     def _arrays(self, bucket, a: int, b: int, at: int = 0) -> tuple:
-        """On the host: the host arrays; the kernel's 16-bit output goes to the slot that
-        ``push`` sends (fp32: the host master itself is sent)."""
-        first = bucket.state.start + a - self.cut
-        if first < 0:
+        """On the host: the fp32 master, the state (decoded where it is kept otherwise); the
+        kernel's 16-bit output goes to the slot that ``push`` sends (fp32: the master is)."""
+        first = bucket.state.start + a
+        if first < self.cut:
             return super()._arrays(bucket, a, b, at)
         st, part = slice(first, first + b - a), self._host_parts[bucket.index]
         output = self.copies.output(part)
         return (
-            self.copies.master[st],
-            [state[st] for state in self.copies.state.values()],
+            self.copies.master[first - self.cut : first - self.cut + b - a],
+            [kept.load(st, at) for kept in self.stored.values()],
             None if output is None else output[a - part.a : b - part.a],
         )
 
@@ -496,6 +524,7 @@ def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> Sh
             xp,
             watch,
             before_read,
+            options,
             threads=options.offload_threads,
             fraction=options.offload_fraction,
         )

@@ -1,7 +1,8 @@
 """offload='cpu' == the optimizer without it, whole and in part (offload_fraction=0.5): every
 rule of the registry (each variant), every dtype, param groups, clipping and a loss scale,
 compared after every step (bitwise on NumPy parameters: the same host kernel runs either way;
-on CuPy ones, within the kernels' rounding); and with stage 2 (shard_gradients), each rule.
+on CuPy ones, within the kernels' rounding); with stage 2 (shard_gradients), each rule; and
+with remainder masters, bf16 and 8-bit state (bf16 parameters), each rule.
 Checkpoints and consolidated exports load across offloaded (whole, half) and non-offloaded
 optimizers and train on bitwise; right after a load (before any step) the parameters of every
 bucket are the saved ones; the memory report splits device and host bytes by their formulas.
@@ -30,11 +31,11 @@ STEPS = 5
 HALF = {"offload_fraction": 0.5}
 
 
-def make(variant, options, dtype, offload, groups=True, **engine):
+def make(variant, options, dtype, offload, groups=True, shapes=SHAPES, **engine):
     """``offload``: None, ``"cpu"`` or ``"half"`` (``"cpu"`` with ``HALF``)."""
     if offload == "half":
         offload, engine = "cpu", {**HALF, **engine}
-    params = kit.init_values(SHAPES, xp=xp)
+    params = kit.init_values(shapes, xp=xp)
     if groups:  # vectors in a second group with their own options
         params = kit.groups_of(params, options, {"lr": options["lr"] / 2})
     engine = {"bucket_elements": 500, "max_grad_norm": 5.0, "loss_scale": 8.0, **engine}
@@ -44,13 +45,13 @@ def make(variant, options, dtype, offload, groups=True, **engine):
 
 
 def train(opt, steps):
-    kit.train(opt, steps, SHAPES)
+    kit.train(opt, steps)
 
 
 def state_of(opt) -> list:
     rows = kit.state_rows(opt)
     return [rows[row] for row in opt.state_rows] + \
-        [to_numpy(opt.params[k]).reshape(-1).copy() for k in SHAPES]
+        [to_numpy(opt.params[k]).reshape(-1).copy() for k in opt.params]
 
 
 def same(a, b, what):
@@ -148,6 +149,39 @@ def check_loads_across(label, variant, options, dtype, export):
                  f"{label} {dtype}: exported with offload={saver!r}, loaded with {loader!r}")
 
 
+#: Tensors of 8-bit state (4096 elements and more) and one that keeps fp32 state.
+MODE_SHAPES = {"big": (5000,), "mat": (65, 70), "vec": (7,)}
+MODES = ({"masters": "remainder"}, {"state_dtype": "bfloat16"}, {"state_dtype": "int8"})
+
+
+def check_modes(name, variant, options):
+    """Remainder masters (the device's part), bf16 and 8-bit state, offloaded half (and whole,
+    for the state): the same bits as not offloaded after every step; a half-offloaded save
+    loads into a non-offloaded optimizer (bf16 state) and trains on to the same bits."""
+    for mode in MODES:
+        def build(offload):
+            return make(variant, options, "bfloat16", offload, shapes=MODE_SHAPES,
+                        bucket_elements=2048, **mode)
+        plain = build(None)
+        others = [build("half")] + ([] if "masters" in mode else [build("cpu")])
+        for key, value in mode.items():  # (the state modes: auto masters, fp32 offloaded)
+            check(all(getattr(o.options, key) == value for o in (plain, *others)), str(mode))
+        for step in range(1, STEPS + 1):
+            for opt in (plain, *others):
+                train(opt, [step])
+            for opt in others:
+                same(state_of(plain), state_of(opt),
+                     f"{name} {mode} offload_fraction={opt.offload_fraction} step {step}")
+        if mode == {"state_dtype": "bfloat16"}:
+            where = ARGS.directory / f"modes-{name}"
+            others[0].save(where)
+            loaded = build(None)
+            loaded.load(where)
+            for opt in (others[0], loaded):
+                train(opt, [STEPS + 1])
+            same(state_of(others[0]), state_of(loaded), f"{name} {mode}: loaded from half")
+
+
 def check_params_right_after_a_load(variant, options, dtype, offload):
     """Offloaded, several buckets: save, train on, load (and load the export): the parameters
     read right away, before any step, are the saved ones in every bucket (an evaluation right
@@ -192,13 +226,15 @@ def main():
         for dtype in ("float32", "bfloat16"):
             check_parity(f"{name} stage 2", variant, options, dtype, shard_gradients=True)
             staged += 1
+        check_modes(name, variant, options)
     adam = kit.registry()["adam"]
     for dtype, offload in (("float32", "cpu"), ("float16", "cpu"), ("float32", "half")):
         check_params_right_after_a_load(*kit.rule_cases(adam)[-1], dtype, offload)
     if rank == 0:
         print(f"OK offload: {cases} cases x {STEPS} steps on {size} ranks, shard groups of "
               f"{plain.shard_group_size} ({ARGS.backend}, host kernel {off.kernel}, "
-              f"{off.offload_threads} threads), whole and half; stage 2: {staged} cases")
+              f"{off.offload_threads} threads), whole and half; stage 2: {staged} cases; "
+              f"modes: {len(MODES)} x {len(kit.registry())} rules")
 
 
 if __name__ == "__main__":

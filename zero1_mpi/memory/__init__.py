@@ -489,15 +489,14 @@ class MemoryReport:
 
     @property
     def bytes_per_param(self) -> int | float:
-        """K: the sharded part's bytes per parameter, from the state arrays and the dtype (and
-        offloaded fp32 params' host master)."""
-        share = self.offload_fraction if self.offloaded else 0
-        own_master = 4 * share if self.param_dtype in FP32_DTYPES else 0
-        own_master = int(own_master) if own_master == int(own_master) else own_master
-        return (
-            bytes_per_param(self.state, self.param_dtype, self.masters, self.state_dtype)
-            + own_master
-        )
+        """K: the sharded part's bytes per parameter, from the state arrays and the dtype;
+        offloaded, the device's (``masters``) and the host's (``host_bytes_per_param``) in
+        their shares."""
+        on_device = bytes_per_param(self.state, self.param_dtype, self.masters, self.state_dtype)
+        if not self.offloaded:
+            return on_device
+        k = on_device + self.offload_fraction * (self.host_bytes_per_param - on_device)
+        return int(k) if k == int(k) else k
 
     @property
     def host_bytes(self) -> int:
@@ -534,8 +533,9 @@ class MemoryReport:
 
     @property
     def host_bytes_per_param(self) -> int | float:
-        """K': what an offloaded element keeps on the host, an fp32 master and fp32 state."""
-        return bytes_per_param(self.state, MIXED_DTYPES[0])
+        """K': what an offloaded element keeps on the host: an fp32 master (fp32 parameters
+        too) and its state as ``state_dtype``."""
+        return bytes_per_param(self.state, MIXED_DTYPES[0], "fp32", self.state_dtype)
 
     @property
     def formula_bytes(self) -> float:
