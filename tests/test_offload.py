@@ -215,6 +215,30 @@ def test_partial_offload_memory_is_what_tracemalloc_measures(param_dtype, stage2
     assert "offload_fraction=0.3" in repr(opt)
 
 
+@pytest.mark.parametrize("mode", [{"state_dtype": "bfloat16"}, {"state_dtype": "int8"},
+                                  {"masters": "remainder"}])
+def test_offloaded_modes_memory_is_what_tracemalloc_measures(mode):
+    """Each way of keeping the state, a third offloaded: every byte on one side or the other,
+    the codecs' buffers too, is what tracemalloc measures; the host's K' is the mode's."""
+    params = {f"w{i}": np.ones(100_000, np.float32) for i in range(9)}
+    engine = dict(param_dtype="bfloat16", offload="cpu", offload_threads=2,
+                  offload_fraction=1 / 3, **mode)
+    ZeroAdam({"w": np.ones(5000, np.float32)}, **engine).step()  # imports outside the count
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        opt = ZeroAdam(params, **engine)
+        opt.step()
+        measured = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    r = opt.memory_report()
+    assert r.offload_fraction == pytest.approx(1 / 3) and r.device_bytes + r.host_bytes == r.total
+    state = {"bfloat16": 2, "int8": 1 + 4 / 256}.get(mode.get("state_dtype"), 4)
+    assert r.host_bytes_per_param == 4 + 2 * state
+    assert r.total <= measured < r.total + 256 * 1024, (measured, r.total)
+
+
 def test_threads_default_to_the_cores_the_rank_may_use(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)

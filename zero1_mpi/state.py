@@ -461,10 +461,11 @@ class HostState(ShardedState):
         super().close()
 
     def scratch_bytes(self) -> tuple[int, int]:
+        rows = [self.masters, *self.stored.values()]  # (their codecs' decoding buffers)
         device = 0 if self.kernel is None else self.kernel.scratch_bytes
-        return device + self.gathers.scratch_bytes, (
-            self.copies.scratch_bytes + self.host_kernel.scratch_bytes
-        )
+        device += self.gathers.scratch_bytes + sum(row.device.scratch_bytes for row in rows)
+        host = self.copies.scratch_bytes + self.host_kernel.scratch_bytes
+        return device, host + sum(row.host.scratch_bytes for row in rows)
 
     def host_bytes(self, owned: int) -> tuple[int, int, float]:
         kept = [self.masters, *self.stored.values()]
