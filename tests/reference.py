@@ -197,11 +197,28 @@ def close_to_reference(got, want, dtype) -> tuple[bool, float]:
         return err <= 1e-6, err
     if got.size == 0:
         return True, 0
-    ulps = np.abs(ordered_bits(got) - ordered_bits(want.astype(np.float32).astype(dtype)))
-    fp32_bound = 1e-6 * np.abs(want).max()
-    tiny_and_close = np.abs(got.astype(np.float64) - want) <= fp32_bound
-    worst = int(ulps[~tiny_and_close].max()) if (~tiny_and_close).any() else 0
+    ulps = _ulps_off(got, want, dtype)
+    worst = int(ulps[~_tiny_and_close(got, want)].max(initial=0))
     return worst <= 1, worst
+
+
+def within_reference(got, want, dtype) -> np.ndarray:
+    """Which elements are within ``close_to_reference``'s bound (a boolean array)."""
+    got, want = np.asarray(got), np.asarray(want, np.float64)
+    if np.dtype(dtype) == np.float32:
+        scale = max(np.abs(want).max(initial=0), np.finfo(np.float64).tiny)
+        return np.abs(got.astype(np.float64) - want) <= 1e-6 * scale
+    return (_ulps_off(got, want, dtype) <= 1) | _tiny_and_close(got, want)
+
+
+def _ulps_off(got, want, dtype) -> np.ndarray:
+    return np.abs(ordered_bits(got) - ordered_bits(want.astype(np.float32).astype(dtype)))
+
+
+def _tiny_and_close(got, want) -> np.ndarray:
+    """Elements within the fp32 bound of their tensor (16-bit ulps finer than that are moot)."""
+    fp32_bound = 1e-6 * np.abs(want).max(initial=0)
+    return np.abs(got.astype(np.float64) - want) <= fp32_bound
 
 
 # -- the 8-bit wire format, modelled in float64 (zero1_mpi.wire's arithmetic written anew) ------

@@ -11,7 +11,8 @@ engine keeps them at the end of each step: bf16 rounded with the engine's bits
 each rank's pieces (``reference.int8_state_encode``; LAMB as the engine runs it: its trust
 ratio from the moments before they are rounded). The fp32 and float64 runs may round a value
 to either side now and then: with bf16 state the parameters are within the project's bound
-after every step and 99% of the state is the model's (the rest within 3 bf16 steps); with
+after every step (but for 1% of a tensor, or one element, within a tenth of the learning rate a
+step) and 99% of the state is the model's (the rest within 3 bf16 steps); with
 8-bit state 99% is the model's, the rest within a code, the parameters within a tenth of the
 learning rate a step. ``checkpoint``: a bf16-state run's checkpoint loads into
 an fp32-state optimizer on one rank with the same state values, the other way the values round
@@ -167,8 +168,8 @@ def rules():
                             kit.train(opt, [step], SHAPES)
                             model.step(kit.mean_grads(step, SHAPES, dtype))
                             if mode == "bfloat16":
-                                kit.close_to(kit.params_of(opt), model.params, dtype,
-                                             f"{where} step {step}")
+                                near_bf16(kit.params_of(opt), model.params, dtype,
+                                          options["lr"] * (step + 1), f"{where} step {step}")
                         got = kit.state_rows(opt)
                         want = model.state_rows(variant.state_names)
                         if mode == "int8":
@@ -188,6 +189,22 @@ def rules():
                                   f"{(off <= 1e-3).mean():.4f} as the model's")
                         count += 1
     print(f"rank {rank}: rules: {count} cases") if rank == 0 else None
+
+
+def near_bf16(params, want, dtype, moved, where):
+    """The parameters with bf16 state after a step: within the project's bound
+    (``reference.within_reference``), but for the few elements whose state the fp32 and float64
+    runs rounded to either side (at most 1% of a tensor, or one element): those within a tenth
+    of ``moved`` (the learning rate summed over the steps so far), as with 8-bit state. The
+    rounding draws the same for both runs; the runs differ by a last fp32 bit, so a value
+    whose draw falls in between (about 1 in 2^16) takes the other side."""
+    for k, w in want.items():
+        got, w = kit.to_numpy(params[k]), np.asarray(w, np.float64)
+        outside = ~ref.within_reference(got, w, kit.resolve_dtype(dtype))
+        off = np.abs(got.astype(np.float64) - w)[outside]
+        check(outside.sum() <= max(1, outside.size // 100) and (off <= 0.1 * moved).all(),
+              f"{where}: {k!r}: {outside.sum()} of {outside.size} outside the bound, the "
+              f"farthest off by {off.max(initial=0)}")
 
 
 def near_8bit(opt, model, got, want, variant, options, where):
