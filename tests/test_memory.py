@@ -342,6 +342,9 @@ def test_report_state_is_its_own_copy():
     (dict(group_size=0, rank=0), "group_size >= 1"),
     (dict(param_dtype=None), "param_dtype=None must be a dtype name"),
     (dict(rule=3), "rule=3 must be a rule name"),
+    (dict(offloaded=True, offload_fraction=0.25), r"offload_fraction=0.25 needs host_state"),
+    (dict(offloaded=True, offload_fraction=1.5), "offload_fraction=1.5 must be a number"),
+    (dict(host_state=4), "host_state=4 must be at most .* and 0 unless offloaded"),
 ])
 def test_report_validation(changes, message):
     with pytest.raises(ValueError, match=message):

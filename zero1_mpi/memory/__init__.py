@@ -347,7 +347,8 @@ class MemoryReport:
     then fp32 params have a master too), with their padding in ``host_padding``;
     ``offload_fraction``: the share of this rank's real elements whose master and state are
     on the host (``offload_fraction``, at a tensor piece's boundary; 1: all), ``host_state``
-    their bytes (None: all of ``optimizer_state`` if offloaded, else 0);
+    their bytes (None: all of ``optimizer_state`` if offloaded, else 0; needed where the share
+    is below 1 and there is state);
     ``host_scratch``: host buffers for device parameters (MPI staging, offload's copies);
     ``device_bytes`` and ``host_bytes`` split ``total``. ``grad_shard_dtype``: with gradient
     sharding (stage 2), the dtype of the gradient shard that ``gradients`` then counts (the
@@ -419,6 +420,12 @@ class MemoryReport:
                 f"MemoryReport.offload_fraction={fraction!r} must be a number from 0 to 1"
             )
         if self.host_state is None:
+            if self.offloaded and fraction < 1 and self.optimizer_state:
+                raise ValueError(
+                    f"MemoryReport.offload_fraction={fraction!r} needs host_state: the bytes "
+                    "of optimizer_state on the host (the split falls at a tensor piece, so "
+                    "the share alone does not give it)"
+                )
             object.__setattr__(self, "host_state", self.optimizer_state if self.offloaded else 0)
         host_state = _count("MemoryReport.host_state", self.host_state)
         if host_state > self.optimizer_state or (host_state and not self.offloaded):
