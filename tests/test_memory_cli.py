@@ -176,7 +176,9 @@ def test_modes_give_a_column_per_way_of_keeping_the_state(capsys, stage):
     (["--modes", "--offload", "cpu"], "--modes takes bf16 parameters, no --offload"),
     (["--offload-fraction", "0.5"], "--offload-fraction is the share --offload cpu moves"),
     (["--offload", "cpu", "--offload-fraction", "1.5"],
-     "argument --offload-fraction: '1.5' must be a share above 0, at most 1"),
+     "argument --offload-fraction: '1.5' must be a share from 0 to 1"),
+    (["--offload", "cpu", "--offload-fraction", "nan"],
+     "argument --offload-fraction: 'nan' must be a share from 0 to 1"),
 ])
 def test_bad_input_is_one_error_line_and_status_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -3,7 +3,9 @@ all of them or the share ``offload_fraction``.
 
 On 3 ranks and with hierarchical sharding the offloaded optimizer (whole and half) equals the
 one without, bit for bit, for every rule of the registry and dtype, with stage 2, and with
-remainder masters (the device's part), bf16 and 8-bit state;
+remainder masters (the device's part), bf16 and 8-bit state; on 3 ranks also at the split's
+edges (ranks owning only padding, shares of one piece or all but one), and a partly offloaded
+save loads on one rank with another share;
 checkpoints and exports load across them, and right after a load the parameters are the saved
 ones (tests/cases/offload.py); bad offload options fail on every rank (tests/cases/bad_input.py).
 Here too: the threaded host kernel has the one-thread kernel's bits, the copies go one part
@@ -45,7 +47,9 @@ def test_offloaded_equals_not_offloaded(tmp_path, n, group):
     cases = 18 if group is None else 12  # in groups: fp32 and bf16 (fp16 takes bf16's path)
     assert f"OK offload: {cases} cases x 5 steps on {n} ranks, shard groups of {group or n}" \
         in out, out
-    assert "whole and half; stage 2: 8 cases; modes: 3 x 4 rules" in out, out
+    edges = 12 if group is None else 0  # (Adam and LAMB, 3 layouts, stage 1 and 2)
+    assert f"whole and half; stage 2: 8 cases; modes: 3 x 4 rules; edges: {edges} cases" \
+        in out, out
 
 
 VARIANTS = [(name, index) for name, entry in builtin_rules().items()
@@ -161,6 +165,47 @@ def test_split_rows_read_and_write_across_the_cut():
     assert row.load(slice(6, 8), 0).base is host.held
     with pytest.raises(ValueError, match="cross the offload cut 5"):
         row.load(slice(4, 6), 0)
+
+
+@pytest.mark.parametrize("param_dtype", ["bfloat16", "float32"])
+def test_no_share_offloaded_is_the_optimizer_without_offload(param_dtype):
+    """offload_fraction=0: nothing on the host, so the optimizer offload=None builds: its
+    masters (bf16: remainders by default), no host state or threads, the same bits."""
+    import casekit as kit
+    shapes = {"w": (300, 7), "b": (11,)}
+    init = {k: np.random.default_rng(1).standard_normal(s).astype(np.float32)
+            for k, s in shapes.items()}
+    plain = ZeroAdam(dict(init), param_dtype=param_dtype, bucket_elements=512)
+    none = ZeroAdam(dict(init), param_dtype=param_dtype, bucket_elements=512, offload="cpu",
+                    offload_fraction=0, offload_threads=2)
+    assert none.options.masters == plain.options.masters
+    assert none.options.masters == ("remainder" if param_dtype == "bfloat16" else "fp32")
+    report, want = none.memory_report(), plain.memory_report()
+    assert not report.offloaded and report.host_bytes == 0 and report == want
+    assert "offload='cpu', offload_fraction=0)" in repr(none)
+    kit.train(plain, range(4), shapes)
+    kit.train(none, range(4), shapes)
+    for k in shapes:
+        assert kit.same_bits(kit.params_of(none)[k], kit.params_of(plain)[k]), k
+
+
+@pytest.mark.parametrize("mode", [{"state_dtype": "bfloat16"}, {"state_dtype": "int8"}])
+def test_a_side_that_keeps_nothing_holds_no_buffers(mode):
+    """Offloaded whole, the device keeps no state, so no decoding buffers (the same device
+    scratch as fp32 state); with a share too small for any tensor piece the host keeps nothing,
+    and holds no buffers and no threads for it."""
+    params = {f"w{i}": np.ones(20_000, np.float32) for i in range(4)}
+    engine = dict(param_dtype="bfloat16", offload="cpu", offload_threads=2)
+    whole = ZeroAdam(dict(params), **engine, **mode).memory_report()
+    fp32 = ZeroAdam(dict(params), **engine).memory_report()
+    assert whole.comm_scratch == fp32.comm_scratch and whole.host_scratch > fp32.host_scratch
+    tiny = ZeroAdam(dict(params), **engine, **mode, offload_fraction=0.01)
+    plain = ZeroAdam(dict(params), param_dtype="bfloat16", masters="fp32", **mode)
+    r = tiny.memory_report()
+    assert r.offloaded and r.host_state == 0 and r.offload_fraction == 0
+    assert r.comm_scratch == plain.memory_report().comm_scratch
+    assert r.host_scratch <= 64  # no slot or buffer of a shard's size: the kernel's scalars
+    assert tiny.state.host_kernel.threads == 1
 
 
 def test_memory_report_is_what_tracemalloc_measures():

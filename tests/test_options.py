@@ -6,6 +6,7 @@ the rule, the param groups' options, N, the shard groups, the stage, the dtypes 
 import inspect
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +74,13 @@ def test_repr_says_rule_groups_world_stage_dtypes_and_offload():
     assert "stage 2" in repr(staged) and "grad_shard_dtype=float32" in repr(staged)
     opt.close()
     assert repr(opt).endswith("(closed)")
+
+
+@pytest.mark.parametrize("share, want", [(np.float32(0.5), 0.5), (Fraction(1, 4), 0.25),
+                                         (-0.0, 0.0), (1, 1.0)])
+def test_offload_fraction_takes_any_real_number_from_0_to_1(share, want):
+    opt = ZeroAdamW({"w": np.ones(8, np.float32)}, MPI.COMM_SELF, offload="cpu",
+                    offload_threads=1, offload_fraction=share)
+    got = opt.options.offload_fraction
+    assert type(got) is float and got == want and str(got) == str(want)
+    opt.close()

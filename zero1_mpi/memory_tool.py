@@ -210,9 +210,9 @@ def _fraction(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 < value <= 1:
+    if not 0 <= value <= 1:  # (nan fails the comparison too)
         raise argparse.ArgumentTypeError(
-            f"{text!r} must be a share above 0, at most 1, e.g. 0.5 (0: drop --offload)"
+            f"{text!r} must be a share from 0 to 1, e.g. 0.5 (0: nothing on the host)"
         )
     return value
 
@@ -282,7 +282,8 @@ def main(argv=None) -> int:
         type=_fraction,
         default=None,
         metavar="F",
-        help="with --offload cpu: the share of them on the host, above 0, at most 1 (default 1)",
+        help="with --offload cpu: the share of them on the host, 0 to 1 (default 1; 0: the "
+        "table without offload)",
     )
     parser.add_argument(
         "--shard-group-size",

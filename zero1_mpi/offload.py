@@ -80,7 +80,8 @@ class SplitRow:
 
     def __init__(self, device, host, cut: int, host_real: int):
         self.device, self.host, self.cut, self.host_real = device, host, cut, host_real
-        self.chunk = min(device.chunk, host.chunk)
+        # (a side that keeps nothing has no chunk: it takes no call)
+        self.chunk = min((side.chunk for side in (device, host) if side.chunk), default=1 << 62)
         self.scratch_bytes = device.scratch_bytes + host.scratch_bytes
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import numbers
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,7 +201,7 @@ def _offload_threads(value, checked):
 
 
 def _offload_fraction(value, checked):
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not number or not 0.0 <= value <= 1.0:  # (nan fails the comparison too)
         raise ValueError(
             f"offload_fraction={value!r} must be a number from 0 to 1: the share of this "
@@ -211,7 +212,7 @@ def _offload_fraction(value, checked):
             f"offload_fraction={value!r} sets the share that offload='cpu' moves to the "
             "host: pass offload='cpu' too, or drop it"
         )
-    return float(value)
+    return float(value) + 0.0  # (-0.0 is 0)
 
 
 def _masters(value, checked):
@@ -243,7 +244,7 @@ def _masters(value, checked):
             f"masters='remainder' keeps the 16 bits a bfloat16 parameter lacks, but {why}: "
             "use masters='fp32' (or 'auto')"
         )
-    if value == "auto" and checked["offload"] is not None:
+    if value == "auto" and checked["offload"] is not None and checked["offload_fraction"] > 0:
         return "fp32"  # (the memory tool's tables count offload so too)
     return "remainder" if value != "fp32" and not why else "fp32"
 
@@ -425,7 +426,8 @@ OPTIONS = (
         "state) kept and updated on the host, 0 to 1; the rest stays on the device and "
         "is updated there, first, while the host part's copies and kernel follow. The "
         "split falls at the tensor-piece boundary nearest it (``memory_report()`` tells "
-        "the bytes on each side).",
+        "the bytes on each side). 0 keeps nothing on the host: the optimizer without "
+        "``offload``.",
     ),
     Option(
         "masters",

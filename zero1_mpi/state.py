@@ -431,8 +431,10 @@ class HostState(ShardedState):
             list(self._host_parts.values()),
             cut,
         )
+        # A side that keeps nothing (the cut at either end) gets no decoding buffers.
+        on_device_largest, on_host_largest = (largest if cut else 0), (largest if n > cut else 0)
         on_device = (
-            masters_for(self.masters_kind, cut, largest, xp, device_kind, whole)
+            masters_for(self.masters_kind, cut, on_device_largest, xp, device_kind, whole)
             if self.mixed
             else ParamMasters()
         )
@@ -444,8 +446,12 @@ class HostState(ShardedState):
         def row(i: int) -> SplitRow:
             dtype = self.state_dtype
             return SplitRow(
-                state_for(dtype, cut, largest, xp, device_kind, i, whole, device_segments),
-                state_for(dtype, n - cut, largest, np, self.kernel_kind, i, whole, host_segments),
+                state_for(
+                    dtype, cut, on_device_largest, xp, device_kind, i, whole, device_segments
+                ),
+                state_for(
+                    dtype, n - cut, on_host_largest, np, self.kernel_kind, i, whole, host_segments
+                ),
                 cut,
                 self.host_real,
             )
@@ -453,7 +459,8 @@ class HostState(ShardedState):
         self.stored = {name: row(i) for i, name in enumerate(self.rule.state_names)}
         self.kernel = self.rule.kernel(device_kind, largest) if cut > 0 else None
         self.host_kernel = ThreadedKernel(
-            lambda: self.rule.kernel(self.kernel_kind, largest), self._threads
+            lambda: self.rule.kernel(self.kernel_kind, on_host_largest),
+            self._threads if n > cut else 1,
         )
 
     def close(self) -> None:
@@ -516,7 +523,7 @@ class HostState(ShardedState):
 
 def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> ShardedState:
     """The sharded state of the checked ``options`` (``options.EngineOptions``)."""
-    if options.offload is not None:
+    if options.offload is not None and options.offload_fraction > 0:
         return HostState(
             layout,
             topology,

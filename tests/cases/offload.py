@@ -6,14 +6,19 @@ with remainder masters, bf16 and 8-bit state (bf16 parameters), each rule.
 Checkpoints and consolidated exports load across offloaded (whole, half) and non-offloaded
 optimizers and train on bitwise; right after a load (before any step) the parameters of every
 bucket are the saved ones; the memory report splits device and host bytes by their formulas.
+At the split's edges (ranks owning only padding, a tensor over many buckets, shares putting one
+piece or all but one on the host; Adam and LAMB, stage 1 and 2) partly offloaded equals not
+offloaded, and a partly offloaded save loads on one rank with another share.
 
     mpiexec -n N python -m mpi4py tests/cases/offload.py DIR [--backend cupy] [--group K]
 """
 
 import argparse
+import itertools
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
 import casekit as kit
 from casekit import check, rank, size, world
@@ -31,7 +36,7 @@ STEPS = 5
 HALF = {"offload_fraction": 0.5}
 
 
-def make(variant, options, dtype, offload, groups=True, shapes=SHAPES, **engine):
+def make(variant, options, dtype, offload, groups=True, shapes=SHAPES, comm=world, **engine):
     """``offload``: None, ``"cpu"`` or ``"half"`` (``"cpu"`` with ``HALF``)."""
     if offload == "half":
         offload, engine = "cpu", {**HALF, **engine}
@@ -39,8 +44,8 @@ def make(variant, options, dtype, offload, groups=True, shapes=SHAPES, **engine)
     if groups:  # vectors in a second group with their own options
         params = kit.groups_of(params, options, {"lr": options["lr"] / 2})
     engine = {"bucket_elements": 500, "max_grad_norm": 5.0, "loss_scale": 8.0, **engine}
-    return kit.build(variant, params, world, options, param_dtype=dtype,
-                     shard_group_size=ARGS.group, offload=offload,
+    return kit.build(variant, params, comm, options, param_dtype=dtype,
+                     shard_group_size=ARGS.group if comm is world else None, offload=offload,
                      offload_threads=2 if offload else None, **engine)
 
 
@@ -207,6 +212,59 @@ def check_params_right_after_a_load(variant, options, dtype, offload):
                   "the saved value")
 
 
+#: Layouts at the edges: ranks that own only padding; one tensor cut over many buckets (and by
+#: the host's start inside a bucket); pieces larger and smaller than a bucket.
+EDGES = {"tiny": ({"w": (10,)}, 64), "one": ({"big": (2000,)}, 128),
+         "mixed": ({"a": (3,), "b": (700,), "c": (5, 13), "e": (5000,)}, 256)}
+SHARES = (0.05, 0.3, 0.95)
+
+
+def check_edges():
+    """Partly offloaded at the edges of the split (shares that put one piece or all but one on
+    the host), Adam and two-phase LAMB, stage 1 and 2: the same bits as not offloaded; then a
+    save on N ranks with one share loads on one rank with another (checkpoint and export): the
+    same state and parameters, bit for bit."""
+    cases = 0
+    for name in ("adam", "lamb"):
+        variant, options = kit.variant_cases(kit.registry()[name])[-1]
+        for label, (shapes, bucket) in EDGES.items():
+            for engine in ({}, {"shard_gradients": True}):
+                def build(share, comm=world):
+                    return make(variant, options, "bfloat16", "cpu" if share else None,
+                                groups=False, shapes=shapes, comm=comm,
+                                bucket_elements=bucket, masters="fp32",
+                                **({"offload_fraction": share} if share else {}), **engine)
+                plain, parts = build(None), [build(share) for share in SHARES]
+                for step in range(1, 4):
+                    for opt in (plain, *parts):
+                        train(opt, [step])
+                    for share, opt in zip(SHARES, parts):
+                        same(state_of(plain), state_of(opt),
+                             f"{name} {label} {engine} offload_fraction={share} step {step}")
+                cases += 1
+        shapes, bucket = EDGES["mixed"]
+        saver = make(variant, options, "bfloat16", "cpu", groups=False, shapes=shapes,
+                     bucket_elements=bucket, offload_fraction=0.3)
+        train(saver, [1, 2])
+        root, file = ARGS.directory / f"edges-{name}", ARGS.directory / f"edges-{name}.st"
+        saver.save(root)
+        saver.save_consolidated(file)
+        saved, params = kit.rows_by_tensor(saver), kit.params_of(saver)
+        if rank == 0:
+            for share, load in itertools.product((None, 0.5, 1.0), ("load", "load_consolidated")):
+                one = make(variant, options, "bfloat16", "cpu" if share else None, groups=False,
+                           shapes=shapes, comm=MPI.COMM_SELF, bucket_elements=64,
+                           masters="fp32", **({"offload_fraction": share} if share else {}))
+                getattr(one, load)(root if load == "load" else file)
+                got, where = kit.rows_by_tensor(one, MPI.COMM_SELF), f"{name} {load} {share}"
+                check(all(kit.same_bits(got[r][k], saved[r][k]) for r in saved for k in shapes),
+                      f"{where}: saved at 0.3 on {size} ranks, the state differs on 1")
+                check(all(kit.same_bits(kit.params_of(one)[k], params[k]) for k in shapes),
+                      f"{where}: saved at 0.3 on {size} ranks, the parameters differ on 1")
+        world.Barrier()
+    return cases
+
+
 def main():
     cases = staged = 0
     plain = off = None
@@ -227,6 +285,7 @@ def main():
             check_parity(f"{name} stage 2", variant, options, dtype, shard_gradients=True)
             staged += 1
         check_modes(name, variant, options)
+    edges = check_edges() if ARGS.group is None else 0
     adam = kit.registry()["adam"]
     for dtype, offload in (("float32", "cpu"), ("float16", "cpu"), ("float32", "half")):
         check_params_right_after_a_load(*kit.rule_cases(adam)[-1], dtype, offload)
@@ -234,7 +293,7 @@ def main():
         print(f"OK offload: {cases} cases x {STEPS} steps on {size} ranks, shard groups of "
               f"{plain.shard_group_size} ({ARGS.backend}, host kernel {off.kernel}, "
               f"{off.offload_threads} threads), whole and half; stage 2: {staged} cases; "
-              f"modes: {len(MODES)} x {len(kit.registry())} rules")
+              f"modes: {len(MODES)} x {len(kit.registry())} rules; edges: {edges} cases")
 
 
 if __name__ == "__main__":
