@@ -88,9 +88,10 @@ def measure(xp, psi: int, rule: str, offload, steps: int, fraction: float = 1.0)
         times.append(time.perf_counter() - start)
     report = opt.memory_report()
     held = (pool.used_bytes() - before) if device else report.device_bytes
-    row = {"offload": offload, "fraction": report.offload_fraction if offload else 0.0,
+    on_host = report.offloaded  # (offload_fraction=0: the optimizer without offload)
+    row = {"offload": offload, "fraction": report.offload_fraction if on_host else 0.0,
            "psi": psi, "rule": rule, "kernel": opt.kernel,
-           "threads": opt.offload_threads, "step_ms": 1e3 * float(np.median(times[1:])),
+           "threads": opt.offload_threads if on_host else None, "step_ms": 1e3 * float(np.median(times[1:])),
            "device_measured_per_param": held / psi,
            "device_report_per_param": report.device_bytes / psi,
            "device_formula_per_param": report.device_formula_bytes / psi,
@@ -106,11 +107,12 @@ def measure(xp, psi: int, rule: str, offload, steps: int, fraction: float = 1.0)
 def report(args, results: list[dict]) -> dict:
     rows = results[0]["rows"]
     print(f"{args.rule}, {args.params:,} bf16 parameters, 1 rank, {args.backend}")
-    print(f"{'offload':12s} {'step ms':>9s} {'device B/param':>15s} {'(report, formula)':>18s} "
+    print(f"{'offload':16s} {'step ms':>9s} {'device B/param':>15s} {'(report, formula)':>18s} "
           f"{'host B/param':>13s} {'(formula)':>10s}  host kernel")
     for row in rows:
         where = f"{row['offload']} {row['fraction']:.2f}" if row["offload"] else "None"
-        print(f"{where:12s} {row['step_ms']:9.1f} "
+        where += " (none)" if row["offload"] and not row["threads"] else ""
+        print(f"{where:16s} {row['step_ms']:9.1f} "
               f"{row['device_measured_per_param']:15.2f} "
               f"{row['device_report_per_param']:8.2f},{row['device_formula_per_param']:6.1f}   "
               f"{row['host_report_per_param']:13.2f} {row['host_formula_per_param']:10.1f}  "
