@@ -28,6 +28,7 @@ __all__ = [
     "ParamMasters",
     "ThreadedKernel",
     "host_start",
+    "keeps_host_share",
     "resolve_threads",
     "each_tensor_sums",
 ]
@@ -51,6 +52,12 @@ def resolve_threads(value, local_ranks: int) -> int:
             "cores this rank may use)"
         )
     return value
+
+
+def keeps_host_share(offload, fraction: float) -> bool:
+    """Whether ``offload`` with ``offload_fraction=fraction`` keeps anything on the host (a
+    share of 0 keeps nothing: the optimizer without offload)."""
+    return offload is not None and fraction > 0
 
 
 def host_start(pieces, n: int, fraction: float) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .layout import DEFAULT_BUCKET_ELEMENTS, check_bucket_elements
-from .offload import resolve_threads
+from .offload import keeps_host_share, resolve_threads
 from .params import check_param_dtype
 from .scaler import LossScaler
 from .state_dtypes import STATE_DTYPES
@@ -244,7 +244,7 @@ def _masters(value, checked):
             f"masters='remainder' keeps the 16 bits a bfloat16 parameter lacks, but {why}: "
             "use masters='fp32' (or 'auto')"
         )
-    if value == "auto" and checked["offload"] is not None and checked["offload_fraction"] > 0:
+    if value == "auto" and keeps_host_share(checked["offload"], checked["offload_fraction"]):
         return "fp32"  # (the memory tool's tables count offload so too)
     return "remainder" if value != "fp32" and not why else "fp32"
 

@@ -31,6 +31,7 @@ from .offload import (
     ThreadedKernel,
     each_tensor_sums,
     host_start,
+    keeps_host_share,
 )
 from .reductions import resolve_cpu_kernel
 from .state_dtypes import MIN_8BIT_SIZE, state_for
@@ -457,7 +458,7 @@ class HostState(ShardedState):
             )
 
         self.stored = {name: row(i) for i, name in enumerate(self.rule.state_names)}
-        self.kernel = self.rule.kernel(device_kind, largest) if cut > 0 else None
+        self.kernel = self.rule.kernel(device_kind, on_device_largest) if cut else None
         self.host_kernel = ThreadedKernel(
             lambda: self.rule.kernel(self.kernel_kind, on_host_largest),
             self._threads if n > cut else 1,
@@ -523,7 +524,7 @@ class HostState(ShardedState):
 
 def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> ShardedState:
     """The sharded state of the checked ``options`` (``options.EngineOptions``)."""
-    if options.offload is not None and options.offload_fraction > 0:
+    if keeps_host_share(options.offload, options.offload_fraction):
         return HostState(
             layout,
             topology,

@@ -91,7 +91,8 @@ def measure(xp, psi: int, rule: str, offload, steps: int, fraction: float = 1.0)
     on_host = report.offloaded  # (offload_fraction=0: the optimizer without offload)
     row = {"offload": offload, "fraction": report.offload_fraction if on_host else 0.0,
            "psi": psi, "rule": rule, "kernel": opt.kernel,
-           "threads": opt.offload_threads if on_host else None, "step_ms": 1e3 * float(np.median(times[1:])),
+           "threads": opt.offload_threads if on_host else None,
+           "step_ms": 1e3 * float(np.median(times[1:])),
            "device_measured_per_param": held / psi,
            "device_report_per_param": report.device_bytes / psi,
            "device_formula_per_param": report.device_formula_bytes / psi,
