@@ -11,14 +11,30 @@ __all__ = ["number", "non_negative", "betas"]
 
 
 def number(value, name: str) -> float:
-    """A finite number, as a float (bools are refused)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float, np.floating))
-        or not math.isfinite(value)
-    ):
+    """A finite real number, as a float: a Python or NumPy int or float, or a 0-d array of a
+    real dtype (NumPy, JAX, a torch tensor: an LR schedule's output). Bools are refused."""
+    real = float(value) if _real_scalar(value) else math.nan
+    if not math.isfinite(real):
         raise ValueError(f"{name}={value!r} must be a finite number")
-    return float(value)
+    return real
+
+
+def _real_scalar(value) -> bool:
+    """Is ``value`` one real number: an int or float, or a 0-d array or tensor of an integer or
+    floating dtype (not bool, not complex, not a JAX tracer)?"""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return True
+    if getattr(value, "shape", None) != () or type(value).__name__.endswith("Tracer"):
+        return False
+    dtype = getattr(value, "dtype", None)
+    if hasattr(dtype, "is_floating_point"):  # a torch.dtype
+        return not dtype.is_complex and str(dtype) != "torch.bool"
+    try:
+        return np.dtype(dtype).kind in "fiu"
+    except TypeError:
+        return False
 
 
 def non_negative(value, name: str, hint: str = "") -> float:
