@@ -24,9 +24,9 @@ import argparse
 import json
 import os
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 TORCHRUN = "LOCAL_RANK" in os.environ  # launched by torchrun: Trainer's own DDP, to compare
@@ -36,7 +36,8 @@ if not TORCHRUN:
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--max-steps", type=int, default=100)
 parser.add_argument("--context", type=int, default=64, help="characters per sequence")
-parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch")
+parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--dim", type=int, default=128)
 parser.add_argument("--heads", type=int, default=4)
@@ -82,13 +83,15 @@ eval_dataset = Sequences(sequences[-args.eval_size :])
 
 torch.manual_seed(args.seed)
 config = GPT2Config(vocab_size=len(CHARS), n_positions=args.context, n_embd=args.dim,
-                    n_layer=args.layers, n_head=args.heads)
+                    n_layer=args.layers, n_head=args.heads,
+                    bos_token_id=None, eos_token_id=None)
 model = GPT2LMHeadModel(config)
 training_args = TrainingArguments(
     output_dir=args.output_dir,
     max_steps=args.max_steps,
     per_device_train_batch_size=args.batch,
     per_device_eval_batch_size=args.batch,
+    gradient_accumulation_steps=args.grad_accum,
     learning_rate=args.lr,
     weight_decay=0.1,
     lr_scheduler_type="cosine",

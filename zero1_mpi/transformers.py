@@ -126,7 +126,7 @@ class ZeroTrainer(Trainer):
         args = TrainingArguments(output_dir="trainer_output") if args is None else args
         self.comm.agree(_refusal(args, model, rest, kwargs, self.zero_options))
         self.comm.check_same(
-            {key: repr(getattr(args, key, None)) for key in AGREED_ARGS},
+            {f"TrainingArguments.{key}": repr(getattr(args, key, None)) for key in AGREED_ARGS},
             "TrainingArguments",
             "give every rank the same arguments",
         )
