@@ -22,9 +22,12 @@ from zero1_mpi.rules.registry import NAMES
 
 
 def needs_framework(name):
-    """zero1_mpi.torch imports torch, which only its users install: skip it without torch."""
-    if name == "zero1_mpi.torch":
+    """zero1_mpi.torch imports torch, zero1_mpi.transformers transformers too, which only their
+    users install: skip them without."""
+    if name in ("zero1_mpi.torch", "zero1_mpi.transformers"):
         pytest.importorskip("torch")
+    if name == "zero1_mpi.transformers":
+        pytest.importorskip("transformers")
 
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
@@ -99,6 +102,7 @@ LAYERS = (
                         "rules.registry"}),
     ("the package, bindings and tools", {"", "binding", "torch", "jax", "memory_tool",
                                          "memory.__main__", "plan"}),
+    ("integrations of the bindings", {"transformers"}),
 )
 
 
