@@ -23,7 +23,7 @@ from zero1_mpi.rules.registry import NAMES
 
 def needs_framework(name):
     """zero1_mpi.torch imports torch, which only its users install: skip it without torch."""
-    if name == "zero1_mpi.torch":
+    if name in ("zero1_mpi.torch", "zero1_mpi.torch_compat"):
         pytest.importorskip("torch")
 
 
@@ -97,8 +97,8 @@ LAYERS = (
     ("the engine", {"engine"}),
     ("the optimizers", {"rules", "rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
-    ("the package, bindings and tools", {"", "binding", "torch", "jax", "memory_tool",
-                                         "memory.__main__", "plan"}),
+    ("the package, bindings and tools", {"", "binding", "torch", "torch_compat", "jax",
+                                         "memory_tool", "memory.__main__", "plan"}),
 )
 
 
