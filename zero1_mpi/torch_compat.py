@@ -50,7 +50,6 @@ _INSTEAD = {
     "amsgrad": "AMSGrad is not implemented",
     "maximize": "negate the loss instead",
     "differentiable": "the update runs outside autograd",
-    "decoupled_weight_decay": "use rule='adamw' for decoupled weight decay",
 }
 
 _TORCH = {"clip_grad_norm_": torch.nn.utils.clip_grad_norm_}
