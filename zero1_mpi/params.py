@@ -92,10 +92,11 @@ def group_record(group: dict, rule) -> dict:
     }
 
 
-def group_extras(group: Mapping, rule) -> dict:
+def group_extras(group: Mapping, rule, strict: bool = True) -> dict:
     """The values of ``group`` other than its tensors (``names``/``params``) and the rule's
     options, as JSON values (a 0-d array as a float, tuples as lists), for checkpoints; a
-    ValueError names a value that has none (an object, an array, inf or nan)."""
+    ValueError names a value that has none (an object, an array, inf or nan), which
+    ``strict=False`` leaves out instead."""
     extras = {}
     for key, value in group.items():
         if key in ("names", "params") or key in rule.options:
@@ -103,6 +104,8 @@ def group_extras(group: Mapping, rule) -> dict:
         try:
             extras[key] = _plain(value)
         except ValueError:
+            if not strict:
+                continue
             raise ValueError(
                 f"param group value {key!r}={value!r} cannot be saved in a checkpoint: keep "
                 "only numbers, strings, None or lists of them in param groups (or remove it)"

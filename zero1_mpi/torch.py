@@ -294,30 +294,31 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
 
     def _sync_problem(self) -> str | None:
         """Before the step's collectives: ``.grad`` put back into the buffers and
-        ``param_groups`` handed to the core; a problem found, for the step to raise on every
-        rank."""
+        ``param_groups`` handed to the core (values a checkpoint cannot hold left out: a
+        signal's checkpoint goes without them); a problem found, for the step to raise on
+        every rank."""
         problem = None if self.sharded_gradients else self._repair_grads()
-        return problem or self._binding_problem() or self._push_groups(agree=False)
+        self._push_groups(strict=False)
+        return problem or self._binding_problem()
 
-    def _push_groups(self, agree: bool = True) -> str | None:
+    def _push_groups(self, strict: bool = True) -> None:
         """Hand ``param_groups`` (the rule's options and the plain values beside them) to the
-        core; a value a checkpoint cannot hold is a problem, raised on every rank by
-        ``agree`` (a collective) or returned."""
+        core; ``strict``: a value a checkpoint cannot hold raises on every rank (a
+        collective)."""
         problem = None
         rule = self.sharded.rule
         for index, (group, target) in enumerate(zip(self.param_groups, self.sharded.param_groups)):
             target.update({key: group[key] for key in rule.options})
             try:
-                extras = group_extras(group, rule)
+                extras = group_extras(group, rule, strict)
             except ValueError as exc:
-                problem = problem or f"param_groups[{index}]: {exc}"
+                problem = problem or ValueError(f"param_groups[{index}]: {exc}")
                 continue
             for key in [k for k in target if k != "names" and k not in rule.options]:
                 del target[key]  # a value removed from torch's group since the last push
             target.update(extras)
-        if agree:
-            self.sharded.comm.agree(ValueError(problem) if problem else None)
-        return problem
+        if strict:
+            self.sharded.comm.agree(problem)
 
     def _pull_options(self) -> None:
         """The core's ``param_groups`` values into torch's (a tensor ``lr`` filled in place,
