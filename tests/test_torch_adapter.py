@@ -148,6 +148,14 @@ def test_clipping_bound_parameters_goes_through_the_optimizer():
         torch.nn.utils.clip_grad_norm_([*m.parameters(), *ref.parameters()], 0.5)
     with pytest.raises(ValueError, match="clip_grad_value_ on a ZeroOptimizer"):
         torch.nn.utils.clip_grad_value_(m.parameters(), 0.1)
+    # accelerate's way: get_total_norm of the gradients, then clip_grads_with_norm_
+    grads = [p.grad for p in m.parameters()]
+    with pytest.raises(ValueError, match="get_total_norm was given 5 tensors, 4 of them"):
+        torch.nn.utils.get_total_norm([*grads, torch.ones(2)])
+    total = torch.nn.utils.get_total_norm(grads)
+    assert torch.allclose(total, expected)
+    torch.nn.utils.clip_grads_with_norm_(list(m.parameters()), 0.5, total)  # by the step
+    assert torch.equal(torch.nn.utils.get_total_norm([torch.ones(4)]), torch.tensor(2.0))
     info = opt.step()
     with torch.no_grad():
         for p in ref.parameters():

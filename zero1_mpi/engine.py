@@ -158,9 +158,9 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm, *, problem: str | None = None) -> float:
         """Reduce this step's gradients now and return their global L2 norm (of the mean over
         the ranks, unscaled; inf or nan on overflow); the coming ``step()`` clips them to
-        ``max_norm`` (and to ``max_grad_norm``), as FSDP's and DeepSpeed's ``clip_grad_norm_``
-        do. All ranks, after the step's last backward; a gradient given after it is an error
-        of the step. ``problem``: as ``step``'s (a bad ``max_norm`` raises on every rank)."""
+        ``max_norm`` (and to ``max_grad_norm``; None: the norm only), as FSDP's and
+        DeepSpeed's ``clip_grad_norm_`` do. All ranks, after the step's last backward; a later
+        gradient is an error of the step. ``problem``: as ``step``'s (a bad ``max_norm`` too)."""
         return self._steps.clip_grad_norm(max_norm, problem)
 
     @watched("reduce", 1)

@@ -166,19 +166,19 @@ class StepPipeline:
             StepInfo(grad_norm, False, scale, clip, counters.step), agreed
         )
 
-    def clip_grad_norm(self, max_norm: float, problem: str | None = None) -> float:
+    def clip_grad_norm(self, max_norm: float | None, problem: str | None = None) -> float:
         """``ShardedOptimizer.clip_grad_norm_``: the step's reduction and agreement now (the
         reduction once: ``run`` and a second call agree again on what it found), the global
         norm of the averaged, unscaled gradient returned; the coming ``run`` clips to
-        ``max_norm`` too. Armed on the watchdog by the caller."""
+        ``max_norm`` too (None: clips no more). Armed on the watchdog by the caller."""
         try:
-            max_norm = number(max_norm, "max_norm")
-            if max_norm <= 0:
-                raise ValueError(f"max_norm={max_norm!r} must be > 0")
+            if max_norm is not None and number(max_norm, "max_norm") <= 0:
+                raise ValueError(f"max_norm={max_norm!r} must be > 0 (None: no clipping)")
         except ValueError as exc:
             problem = problem or f"clip_grad_norm_(): {exc}"
         agreed = self._reduce_and_agree(problem)[1]
-        self._clip_to = max_norm
+        if max_norm is not None:
+            self._clip_to = float(max_norm)
         return math.sqrt(agreed.sum_sq) / (self.comm.size * self.counters.scaler.scale)
 
     def ready(self, names) -> None:

@@ -23,7 +23,14 @@ import torch
 from .binding import PassThrough, optimizer_class
 from .engine import ShardedOptimizer
 from .params import group_extras
-from .torch_compat import OWNER, check_norm_type, install_clipping, nonfinite_error, torch_options
+from .torch_compat import (
+    BOUND,
+    OWNER,
+    check_norm_type,
+    install_clipping,
+    nonfinite_error,
+    torch_options,
+)
 
 __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
 
@@ -139,6 +146,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             p.grad = grad
             self._binding[name] = (p, p.data_ptr(), grad, grad is not None and grad.data_ptr())
             setattr(p, OWNER, weakref.ref(self))
+        BOUND.add(self)
         self._hooks = []
         ref = weakref.ref(self)
         if overlap or self.sharded_gradients:
@@ -188,10 +196,10 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Complete this step's gradient reduction now and return the global L2 norm of the
         gradients averaged over the ranks (a 0-d float32 tensor, the same on every rank); the
-        coming ``step()`` clips them to ``max_norm`` (as FSDP's and DeepSpeed's
-        ``clip_grad_norm_``, and ``torch.nn.utils.clip_grad_norm_`` on these parameters).
-        All ranks, after the step's last backward (a later gradient is an error of the step).
-        ``norm_type`` must be 2; ``foreach`` is ignored."""
+        coming ``step()`` clips them to ``max_norm`` (None: the norm only), as FSDP's and
+        DeepSpeed's ``clip_grad_norm_``, and ``torch.nn.utils.clip_grad_norm_`` on these
+        parameters. All ranks, after the step's last backward (a later gradient is an error of
+        the step). ``norm_type`` must be 2; ``foreach`` is ignored."""
         problem = check_norm_type(norm_type) or self._sync_problem()
         norm = self.sharded.clip_grad_norm_(max_norm, problem=problem)
         error = nonfinite_error(norm) if error_if_nonfinite else None
@@ -276,6 +284,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             delattr(p, OWNER)
         unbound: Any = None  # no more steps: close() takes the core from _unbound
         self._hooks, self._binding = [], {}
+        BOUND.discard(self)
         self._unbound, self.sharded = self.sharded, unbound
 
     def close(self) -> None:

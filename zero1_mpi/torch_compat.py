@@ -3,17 +3,18 @@
 ``torch_options(cls, options)``: a ``torch.optim`` optimizer's keyword arguments that change
 nothing here (``foreach``, ``fused``, ``capturable``, ``differentiable=False``,
 ``amsgrad=False``, ``maximize=False``) dropped, the others refused naming the argument, the class
-and the docs' differences. ``install_clipping()`` (run when ``zero1_mpi.torch`` is imported)
-puts ``clip_grad_norm_`` and ``clip_grad_value_`` in ``torch.nn.utils``: on parameters bound to
-a ZeroOptimizer the first is the optimizer's global norm (each rank's ``.grad`` is its own
-unreduced gradient, or None with ``shard_gradients``, so torch's would be silently wrong), the
-second is refused; on any other tensors both are torch's own. Imports torch.
+and the docs' differences. ``install_clipping()`` (run when ``zero1_mpi.torch`` is imported) puts
+into ``torch.nn.utils`` a ``clip_grad_norm_``, ``get_total_norm`` and ``clip_grads_with_norm_``
+(what accelerate calls) that on a ZeroOptimizer's parameters or gradients are its global norm
+(each rank's ``.grad`` is its own unreduced gradient: torch's would be silently wrong), and a
+``clip_grad_value_`` that refuses them; on any other tensors they are torch's. Imports torch.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import weakref
 
 import torch
 
@@ -22,8 +23,11 @@ __all__ = [
     "DIFFERENCES",
     "torch_options",
     "install_clipping",
+    "BOUND",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "get_total_norm",
+    "clip_grads_with_norm_",
     "check_norm_type",
     "nonfinite_error",
 ]
@@ -31,6 +35,9 @@ __all__ = [
 #: The attribute naming a bound parameter's optimizer (a weak reference): binding a parameter
 #: to two optimizers would silently split its updates.
 OWNER = "_zero1_mpi_owner"
+
+#: The ZeroOptimizers that have parameters bound (whose ``.grad`` ``get_total_norm`` may get).
+BOUND: weakref.WeakSet = weakref.WeakSet()
 
 #: Where the docs list what differs from ``torch.optim``.
 DIFFERENCES = "docs/pytorch.md#differences-from-torchoptim"
@@ -52,8 +59,11 @@ _INSTEAD = {
     "differentiable": "the update runs outside autograd",
 }
 
-_TORCH = {"clip_grad_norm_": torch.nn.utils.clip_grad_norm_}
-_TORCH["clip_grad_value_"] = torch.nn.utils.clip_grad_value_
+#: torch's own functions, which ``install_clipping`` replaces.
+_TORCH = {
+    name: getattr(torch.nn.utils, name)
+    for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
+}
 
 
 def torch_options(cls, options: dict) -> dict:
@@ -111,12 +121,37 @@ def clip_grad_value_(parameters, clip_value, foreach=None) -> None:
     return _TORCH["clip_grad_value_"](params, clip_value, foreach)
 
 
+def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """``torch.nn.utils.get_total_norm``; given the ``.grad`` of a ZeroOptimizer's parameters
+    (all that have one, on all ranks) its global norm (``clip_grad_norm_(None)``: the step's
+    reduction done now, nothing clipped yet)."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    owner = _grads_owner(tensors)
+    if owner is None:
+        return _TORCH["get_total_norm"](tensors, norm_type, error_if_nonfinite, foreach)
+    return owner.clip_grad_norm_(None, norm_type, error_if_nonfinite)
+
+
+def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``; on a ZeroOptimizer's parameters (all of them,
+    on all ranks) the coming ``step()`` clipped to ``max_norm`` by the global norm
+    (``total_norm`` is that norm when ``get_total_norm`` gave it, and is not read)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owner = _owner(params, "clip_grads_with_norm_")
+    if owner is None:
+        return _TORCH["clip_grads_with_norm_"](params, max_norm, total_norm, foreach)
+    owner.clip_grad_norm_(max_norm)
+    return None
+
+
 def install_clipping() -> None:
-    """Put this module's ``clip_grad_norm_`` and ``clip_grad_value_`` where torch code finds
-    them (``torch.nn.utils`` and ``torch.nn.utils.clip_grad``); idempotent."""
+    """Put this module's clipping functions where torch code finds them (``torch.nn.utils``
+    and ``torch.nn.utils.clip_grad``); idempotent."""
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         module.clip_grad_norm_ = clip_grad_norm_
         module.clip_grad_value_ = clip_grad_value_
+        module.get_total_norm = get_total_norm
+        module.clip_grads_with_norm_ = clip_grads_with_norm_
 
 
 def _owner(params: list, function: str):
@@ -136,6 +171,24 @@ def _owner(params: list, function: str):
             "(model.parameters()), or call opt.clip_grad_norm_(max_norm)"
         )
     return owner
+
+
+def _grads_owner(tensors: list):
+    """The ZeroOptimizer whose parameters' ``.grad`` are ``tensors`` (those that have one),
+    None when none of them is; a ValueError when only some are."""
+    grads = {id(t) for t in tensors}
+    for owner in list(BOUND):
+        mine = {id(p.grad) for p, *_ in owner._binding.values() if p.grad is not None}
+        if grads & mine:
+            if grads != mine:
+                raise ValueError(
+                    f"torch.nn.utils.get_total_norm was given {len(grads)} tensors, "
+                    f"{len(grads & mine)} of them gradients of a ZeroOptimizer's parameters "
+                    f"({len(mine)} have one): its norm is global over all of them, so pass "
+                    "all of them and nothing else, or call opt.clip_grad_norm_(max_norm)"
+                )
+            return owner
+    return None
 
 
 def check_norm_type(norm_type) -> str | None:
