@@ -106,7 +106,7 @@ class StepPipeline:
         #: CuPy work is asynchronous: there the phases are the host's, not the device's.
         self.last_step_seconds: dict = {}
         self._reduced: list | None = None  # this step's reduced shards, once reduced
-        self._sum_sq = 0.0  # ... and their sum of squares
+        self._sum_sq: float | None = None  # ... and their sum of squares
         self._clip_to: float | None = None  # clip_grad_norm's max_norm for this step
         self._late: str | None = None  # gradients given after clip_grad_norm reduced them
 
@@ -198,8 +198,7 @@ class StepPipeline:
     def zero_grad(self) -> None:
         """Zero the gradients and forget a reduction ``clip_grad_norm`` made."""
         self.gradients.zero()
-        self._reduced = self._late = self._clip_to = None
-        self._sum_sq = 0.0
+        self._reduced = self._late = self._clip_to = self._sum_sq = None
 
     def _reduce_and_agree(self, problem: str | None) -> tuple[list, Agreement, float, float]:
         """Every bucket's reduced shard (reduced once per step), the agreement of all ranks
@@ -212,16 +211,16 @@ class StepPipeline:
         group_problem = self._check_param_groups()
         with comm.abort_on_error("in step() while reducing the gradients"):
             if self._reduced is None:
-                self._reduced = self.gradients.reduce_all()
-                # Replicas hold the same sums: the norm counts one of them.
+                self._reduced, self._sum_sq = self.gradients.reduce_all(), None
+            problem = problem or self.gradients.problem or group_problem or self._late
+            reduced_at = time.perf_counter()
+            self.watch.phase, self.watch.bucket = "agree", None
+            if self._sum_sq is None:  # replicas hold the same sums: the norm counts one
                 self._sum_sq = (
                     float(sum(self.reductions.sum_of_squares(r) for r in self._reduced))
                     if self.state.topology.replica == 0
                     else 0.0
                 )
-            problem = problem or self.gradients.problem or group_problem or self._late
-            reduced_at = time.perf_counter()
-            self.watch.phase, self.watch.bucket = "agree", None
             agreed = self._agreement(problem).summed(comm)
             self.persistence.agreed(agreed)
         self._raise_disagreement(agreed, problem)
@@ -229,7 +228,7 @@ class StepPipeline:
 
     def _agreement(self, problem: str | None) -> Agreement:
         """This rank's part of the step's agreement."""
-        sum_sq = self._sum_sq
+        sum_sq = self._sum_sq or 0.0
         options, order = self._options_digest(), self.gradients.order_digest
         return replace(
             self.persistence.poll(),
