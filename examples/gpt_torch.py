@@ -319,11 +319,11 @@ if args.resume:
                      f"left to train with --steps {args.steps} (raise it)")
     else:
         print0(f"no checkpoint in {args.checkpoint} yet: starting at step 0")
-# The same scheduler drives whichever optimizer trains, from the step training starts at, and
-# from --lr (a checkpoint restores the learning rate it was saved with: the scheduled one).
-for group in opt.param_groups:
-    group["initial_lr"] = args.lr
-scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(start + k))
+# The same scheduler drives whichever optimizer trains. The schedule is a function of the step:
+# a resumed run builds it at the checkpoint's step (last_epoch), from the initial_lr that the
+# checkpoint put back into param_groups, as with torch.optim (a scheduler built before
+# opt.load and given its saved state_dict resumes exactly too: docs/pytorch.md).
+scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor, last_epoch=start - 1)
 
 losses, tokens_per_s = [], []
 # Rank 0: step, loss, ms/step, tokens/s and ETA every --log-every steps (a tqdm bar instead

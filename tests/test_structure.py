@@ -24,7 +24,7 @@ from zero1_mpi.rules.registry import NAMES
 def needs_framework(name):
     """zero1_mpi.torch imports torch, zero1_mpi.transformers transformers too, which only their
     users install: skip them without."""
-    if name in ("zero1_mpi.torch", "zero1_mpi.transformers"):
+    if name in ("zero1_mpi.torch", "zero1_mpi.torch_compat", "zero1_mpi.transformers"):
         pytest.importorskip("torch")
     if name == "zero1_mpi.transformers":
         pytest.importorskip("transformers")
@@ -100,8 +100,8 @@ LAYERS = (
     ("the engine", {"engine"}),
     ("the optimizers", {"rules", "rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
-    ("the package, bindings and tools", {"", "binding", "torch", "jax", "memory_tool",
-                                         "memory.__main__", "plan"}),
+    ("the package, bindings and tools", {"", "binding", "torch", "torch_compat", "jax",
+                                         "memory_tool", "memory.__main__", "plan"}),
     ("integrations of the bindings", {"transformers"}),
 )
 

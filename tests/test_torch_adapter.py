@@ -95,3 +95,121 @@ def test_zero_grad_keeps_the_views_and_step_returns_step_info():
     info = opt.step()
     assert info is opt.last_step and info.step == 1 and info.clip_coef < 1.0
     assert opt.step(closure=lambda: 7.0) == 7.0 and opt.step_count == 2
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"foreach": True, "fused": True, "capturable": False, "differentiable": False,
+     "amsgrad": False, "maximize": False},
+    {"foreach": None, "fused": None, "lr": torch.tensor(0.25)},
+])
+def test_torch_arguments_that_change_nothing_are_taken(kwargs):
+    m = model()
+    opt = ZeroOptimizer(m, "adamw", MPI.COMM_SELF, **kwargs)
+    m(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    assert opt.sharded.param_groups[0]["lr"] == (0.25 if "lr" in kwargs else 1e-3)
+    assert "foreach" not in opt.param_groups[0] and opt.step_count == 1
+
+
+@pytest.mark.parametrize("rule, kwargs, error, text", [
+    ("adamw", {"amsgrad": True}, ValueError,
+     ["ZeroOptimizer(ZeroAdamW): amsgrad=True", "docs/pytorch.md#differences-from-torchoptim"]),
+    ("adam", {"maximize": True}, ValueError, "negate the loss"),
+    ("sgd", {"differentiable": True}, ValueError, "outside autograd"),
+    ("lion", {"momentum": 0.9}, TypeError,
+     ["ZeroOptimizer(ZeroLion) got an unexpected argument 'momentum'", "betas",
+      "differences-from-torchoptim"]),
+    ("adamw", {"lr": torch.tensor([1e-3, 2e-3])}, ValueError, "lr=tensor"),
+    ("adamw", {"lr": torch.tensor(True)}, ValueError, "must be a finite number"),
+])
+def test_other_torch_arguments_are_refused_naming_the_class_and_the_docs(rule, kwargs, error,
+                                                                           text):
+    with pytest.raises(error) as caught:
+        ZeroOptimizer(model(), rule, MPI.COMM_SELF, **kwargs)
+    for part in [text] if isinstance(text, str) else text:
+        assert part in str(caught.value)
+
+
+def test_clipping_bound_parameters_goes_through_the_optimizer():
+    """torch.nn.utils.clip_grad_norm_ on a ZeroOptimizer's parameters is its clip_grad_norm_
+    (here on one rank the norm of the gradient; the step clips to max_norm); on a part of them,
+    or with value clipping, an error that names what to call; other tensors are torch's."""
+    m, ref = model(), model()
+    ref.load_state_dict(m.state_dict())
+    opt = ZeroOptimizer(m, "sgd", MPI.COMM_SELF, lr=1.0)
+    m(torch.ones(2, 3)).sum().backward()
+    ref(torch.ones(2, 3)).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)  # torch's own
+    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+    assert norm.dtype == torch.float32 and torch.allclose(norm, expected)
+    with pytest.raises(ValueError, match="pass all of them"):
+        torch.nn.utils.clip_grad_norm_(list(m.parameters())[:2], 0.5)
+    with pytest.raises(ValueError, match="pass all of them"):
+        torch.nn.utils.clip_grad_norm_([*m.parameters(), *ref.parameters()], 0.5)
+    with pytest.raises(ValueError, match="clip_grad_value_ on a ZeroOptimizer"):
+        torch.nn.utils.clip_grad_value_(m.parameters(), 0.1)
+    # accelerate's way: get_total_norm of the gradients, then clip_grads_with_norm_
+    grads = [p.grad for p in m.parameters()]
+    with pytest.raises(ValueError, match="get_total_norm was given 5 tensors, 4 of them"):
+        torch.nn.utils.get_total_norm([*grads, torch.ones(2)])
+    total = torch.nn.utils.get_total_norm(grads)
+    assert torch.allclose(total, expected)
+    torch.nn.utils.clip_grads_with_norm_(list(m.parameters()), 0.5, total)  # by the step
+    assert torch.equal(torch.nn.utils.get_total_norm([torch.ones(4)]), torch.tensor(2.0))
+    info = opt.step()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= p.grad  # SGD with lr 1 on the gradient clip_grad_norm_ scaled
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    assert info.clip_coef < 1.0 and abs(info.grad_norm - expected.item()) < 1e-5 * info.grad_norm
+
+
+def test_clip_grad_norm_refuses_other_norms_and_late_gradients_on_every_rank():
+    m = model()
+    opt = ZeroOptimizer(m, "adamw", MPI.COMM_SELF, overlap=True)
+    m(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(ValueError, match="only the L2 norm"):
+        opt.clip_grad_norm_(1.0, norm_type="inf")
+    m(torch.ones(2, 3)).sum().backward()
+    assert opt.clip_grad_norm_(1.0) > 0
+    m(torch.ones(2, 3)).sum().backward()  # after the reduction: the step refuses it
+    with pytest.raises(ValueError, match="came after clip_grad_norm_"):
+        opt.step()
+    assert opt.step_count == 0
+    m(torch.ones(2, 3)).sum().backward()
+    opt.clip_grad_norm_(1.0)
+    assert opt.step().step == 1  # a step after the error goes as usual
+    m(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(ValueError, match="max_norm=-1.0 must be > 0"):
+        opt.clip_grad_norm_(-1.0)
+    with torch.no_grad():
+        m[0].bias.grad[0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+def test_save_records_param_groups_as_they_are_and_load_restores_them(tmp_path):
+    m = model()
+    opt = ZeroOptimizer(m, "adamw", MPI.COMM_SELF, lr=torch.tensor(0.5))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    m(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    sched.step()  # lr 0.25 for the next step: what the checkpoint must hold
+    opt.param_groups[0]["note"] = ("warm", 3)
+    opt.save(tmp_path / "c")
+    opt.param_groups[0]["bad"] = object()
+    m(torch.ones(2, 3)).sum().backward()
+    opt.step()  # a step leaves out what a checkpoint cannot hold; a save refuses it
+    with pytest.raises(ValueError, match="'bad'=<object"):
+        opt.save(tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+    opt.close()
+    m2 = model()
+    opt2 = ZeroOptimizer(m2, "adamw", MPI.COMM_SELF, lr=torch.tensor(9.0))
+    assert opt2.param_groups[0]["lr"] == 9.0  # taken as a number
+    lr = opt2.param_groups[0]["lr"] = torch.tensor(9.0)  # as a scheduler may keep it
+    opt2.load(tmp_path / "c")
+    group = opt2.param_groups[0]
+    assert group["lr"] is lr and lr.item() == 0.25  # a tensor lr is filled in place
+    assert group["initial_lr"] == 0.5 and group["note"] == ["warm", 3]

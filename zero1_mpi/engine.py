@@ -78,13 +78,9 @@ class ShardedOptimizer:
 
     # -- public API --------------------------------------------------------------------------
 
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.size
+    rank = property(lambda self: self.comm.rank, doc="This rank in ``comm``.")
+    world_size = property(lambda self: self.comm.size, doc="The ranks of ``comm``.")
+    scaler = property(lambda self: self.counters.scaler, doc="The next step's ``LossScaler``.")
 
     @property
     def kernel(self) -> str:
@@ -95,11 +91,6 @@ class ShardedOptimizer:
     def loss_scale(self) -> float:
         """Multiply the loss by this before backward (1.0 without loss scaling)."""
         return self.counters.scaler.scale
-
-    @property
-    def scaler(self):
-        """The ``LossScaler`` of the next step."""
-        return self.counters.scaler
 
     @property
     def step_count(self) -> int:
@@ -127,7 +118,7 @@ class ShardedOptimizer:
         Optional: ``step()`` starts whatever has not started. Must be called on all ranks,
         with the same names before each ``step()``; do not write those gradients again before
         ``step()`` (MPI may be reading them)."""
-        self.gradients.ready(names)
+        self._steps.ready(names)
 
     @watched("reduce", 1)
     def add_grad(self, name: str, grad) -> None:
@@ -137,7 +128,7 @@ class ShardedOptimizer:
         reused or freed on return. A bucket whose last tensor this is starts its reduction
         into the gradient shard. Must be called on all ranks. A wrong name, shape, dtype or a
         second hand-over in one micro-batch is raised by the next ``step()`` on every rank."""
-        self.gradients.add(name, grad)
+        self._steps.add(name, grad)
 
     def add_grads(self, grads) -> None:
         """``add_grad`` for each ``name: grad`` of the mapping ``grads``, in its order."""
@@ -161,7 +152,16 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         """Set every gradient to zero (``step()`` also leaves them zeroed). Reductions that
         ``grads_ready`` started for this step are completed and forgotten first."""
-        self.gradients.zero()
+        self._steps.zero_grad()
+
+    @watched("reduce", 1)
+    def clip_grad_norm_(self, max_norm, *, problem: str | None = None) -> float:
+        """Reduce this step's gradients now and return their global L2 norm (of the mean over
+        the ranks, unscaled; inf or nan on overflow); the coming ``step()`` clips them to
+        ``max_norm`` (and to ``max_grad_norm``; None: the norm only), as FSDP's and
+        DeepSpeed's ``clip_grad_norm_`` do. All ranks, after the step's last backward; a later
+        gradient is an error of the step. ``problem``: as ``step``'s (a bad ``max_norm`` too)."""
+        return self._steps.clip_grad_norm(max_norm, problem)
 
     @watched("reduce", 1)
     def step(self, wait: bool = True, *, problem: str | None = None) -> StepInfo:

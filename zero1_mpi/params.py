@@ -23,6 +23,7 @@ __all__ = [
     "normalize_groups",
     "group_options",
     "group_record",
+    "group_extras",
     "restore_options",
     "decay_groups",
     "check_arrays",
@@ -81,22 +82,67 @@ def group_options(group: dict, rule, kind=list):
 
 
 def group_record(group: dict, rule) -> dict:
-    """A param group as plain JSON values: its names and its (checked) options."""
+    """A param group as plain JSON values: its names, its (checked) options and the other
+    plain values a caller keeps in it (an LR scheduler's ``initial_lr``: ``group_extras``)."""
     options = rule.check_options(**{key: group[key] for key in rule.options})
     return {
         "names": list(group["names"]),
         **{k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+        **group_extras(group, rule),
     }
 
 
+def group_extras(group: Mapping, rule, strict: bool = True) -> dict:
+    """The values of ``group`` other than its tensors (``names``/``params``) and the rule's
+    options, as JSON values (a 0-d array as a float, tuples as lists), for checkpoints; a
+    ValueError names a value that has none (an object, an array, inf or nan), which
+    ``strict=False`` leaves out instead."""
+    extras = {}
+    for key, value in group.items():
+        if key in ("names", "params") or key in rule.options:
+            continue
+        try:
+            extras[key] = _plain(value)
+        except ValueError:
+            if not strict:
+                continue
+            raise ValueError(
+                f"param group value {key!r}={value!r} cannot be saved in a checkpoint: keep "
+                "only numbers, strings, None or lists of them in param groups (or remove it)"
+            ) from None
+    return extras
+
+
+def _plain(value):
+    """``value`` as a JSON value (finite numbers, strings, bools, None, lists of them)."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if getattr(value, "shape", None) == () and hasattr(value, "dtype"):
+        value = value.item()  # a 0-d NumPy/JAX array or torch tensor
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (float, np.floating)) and np.isfinite(value):
+        return float(value)
+    raise ValueError(f"{value!r} is not a plain value")
+
+
 def restore_options(groups: list[dict], records: list[dict], rule) -> list[dict]:
-    """The checked options of saved ``records`` for ``groups`` (same names), to apply later."""
+    """The checked options of saved ``records`` for ``groups`` (same names), with the records'
+    other values (``group_extras``), to apply later."""
     if [list(g["names"]) for g in groups] != [list(r["names"]) for r in records]:
         raise ValueError(
             f"the saved param groups ({[len(r['names']) for r in records]} tensors "
             "per group) differ from the optimizer's: build it with the same groups"
         )
-    return [rule.check_options(**{key: r[key] for key in rule.options}) for r in records]
+    return [
+        {
+            **group_extras(r, rule),
+            **rule.check_options(**{key: r[key] for key in rule.options}),
+        }
+        for r in records
+    ]
 
 
 def decay_groups(params: Mapping, weight_decay: float = 1e-2, no_decay=None) -> list[dict]:

@@ -123,7 +123,8 @@ class Persistence:
             pending.finish()
 
     def stop_if_asked(self, info: StepInfo, agreed: Agreement) -> StepInfo:
-        """``info``, or once a signal reached any rank: the checkpoint saved, ``stop=True``."""
+        """``info``, or once a signal reached any rank: ``stop=True`` and the checkpoint saved
+        (none with ``path=None``: the caller saves)."""
         if not agreed.signals:
             return info
         self._watch.disarm()  # a save takes as long as the file system does: not a hang
@@ -131,7 +132,7 @@ class Persistence:
         if pending is not None and pending.error is not None:  # printed when it failed: it
             self._pending = None  # must not stop this checkpoint, the job is about to end
         on_signal = cast(preemption.SignalCheckpoint, self._on_signal)  # what polls signals
-        where = self.save(on_signal.path, on_signal.keep)
+        where = None if on_signal.path is None else self.save(on_signal.path, on_signal.keep)
         on_signal.answered(self._asked)
         return replace(info, stop=True, checkpoint=where)
 

@@ -1,14 +1,13 @@
 """A checkpoint when the scheduler warns: a signal on any rank stops training at a step boundary.
 
 ``opt.checkpoint_on_signal(path, signals=(SIGTERM,), keep=None)`` (all ranks, main thread) gives
-a ``SignalCheckpoint``: Python handlers for ``signals`` that only count what arrives. Each
-``step()`` adds this rank's "a signal is pending" to the sum its one ``Allreduce`` already does,
-so every rank sees a signal that any rank got before that ``Allreduce``; that step completes (or
-is skipped on overflow), every rank then saves ``opt.save(path, keep)``, and the step's
-``StepInfo`` has ``stop=True`` and ``checkpoint`` (the new directory): ``if info.stop: break``.
-A signal arriving later counts at the next step; a step that raises leaves it pending.
-``close()`` (or leaving its ``with`` block) puts the previous handlers back. Bad arguments
-raise on every rank before anything is installed.
+a ``SignalCheckpoint``: handlers for ``signals`` that only count what arrives. Each ``step()``
+adds this rank's "a signal is pending" to the sum its one ``Allreduce`` already does; the first
+step after a signal on any rank completes (or is skipped on overflow), every rank saves
+``opt.save(path, keep)`` and the ``StepInfo`` has ``stop=True`` and ``checkpoint`` (the new
+directory). ``path=None`` saves nothing: the caller saves, with what it keeps beside (an LR
+scheduler, a Trainer's state). A later signal counts at the next step; a step that raises leaves
+it pending. ``close()`` restores the previous handlers. Bad arguments raise on every rank.
 """
 
 from __future__ import annotations
@@ -65,16 +64,22 @@ def check_signals(signals) -> tuple[signal.Signals, ...]:
     return tuple(found)
 
 
-def check_arguments(path, signals, keep) -> tuple[str, tuple[signal.Signals, ...]]:
+def check_arguments(path, signals, keep) -> tuple[str | None, tuple[signal.Signals, ...]]:
     """``(path, signals)`` checked for ``checkpoint_on_signal``, or a ValueError naming the
     value and the fix (this rank's; the caller agrees on it with the other ranks)."""
     check_keep(keep)
+    if path is None and keep is not None:
+        raise ValueError(
+            f"keep={keep!r} with path=None: the step saves nothing, so there is nothing to "
+            "keep; pass keep to your own opt.save(path, keep) instead"
+        )
     try:
-        path = os.fspath(path)
+        path = None if path is None else os.fspath(path)
     except TypeError:
         raise ValueError(
             f"path={path!r}: pass the checkpoint directory as a str or a "
-            "pathlib.Path (the one given to opt.save and opt.load)"
+            "pathlib.Path (the one given to opt.save and opt.load), or None to save "
+            "yourself when step() returns stop=True"
         ) from None
     signals = check_signals(signals)
     if threading.current_thread() is not threading.main_thread():
@@ -89,7 +94,8 @@ def check_arguments(path, signals, keep) -> tuple[str, tuple[signal.Signals, ...
 class SignalCheckpoint:
     """The handlers ``checkpoint_on_signal`` installed, and the checkpoint they ask for.
 
-    ``path`` and ``keep``: where and how ``step()`` saves; ``signals``: the signals handled;
+    ``path`` and ``keep``: where and how ``step()`` saves (None: it does not, the caller
+    does); ``signals``: the signals handled;
     ``received``: the signals this rank got, in order; ``active``: whether the handlers are
     still installed. A context manager: leaving the block calls ``close()``.
     """
@@ -134,6 +140,7 @@ class SignalCheckpoint:
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.signals)
         return (
-            f"SignalCheckpoint({os.fspath(self.path)!r}, signals=({names}), "
+            f"SignalCheckpoint({self.path if self.path is None else os.fspath(self.path)!r}, "
+            f"signals=({names}), "
             f"keep={self.keep!r}, active={self.active}, received={len(self.received)})"
         )

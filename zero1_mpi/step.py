@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .comm import CollectiveError
 from .params import group_options
+from .rules.options import number
 from .scaler import LossScaler
 
 __all__ = ["StepPipeline", "StepInfo", "Agreement", "Counters", "CLIP_EPS"]
@@ -82,6 +83,14 @@ class Agreement:
         return ranks * int(total_sq) == int(total) ** 2
 
 
+#: The problem of gradients given after ``clip_grad_norm_`` reduced the step's.
+_LATE = (
+    "{} came after clip_grad_norm_() had reduced this step's gradients, which it "
+    "would miss: call clip_grad_norm_() after the last backward of the step, just before "
+    "step() (nothing was updated)"
+)
+
+
 class StepPipeline:
     """The step of an optimizer made of ``state`` (``state.ShardedState``: its shard groups'
     communicator and watchdog are the step's), ``gradients`` (a ``gradients.GradientSource``),
@@ -96,23 +105,16 @@ class StepPipeline:
         #: agree (sum of squares + the one Allreduce), update (the kernel), gather (all-gather).
         #: CuPy work is asynchronous: there the phases are the host's, not the device's.
         self.last_step_seconds: dict = {}
+        self._reduced: list | None = None  # this step's reduced shards, once reduced
+        self._sum_sq: float | None = None  # ... and their sum of squares
+        self._clip_to: float | None = None  # clip_grad_norm's max_norm for this step
+        self._late: str | None = None  # gradients given after clip_grad_norm reduced them
 
     def run(self, wait: bool = True, problem: str | None = None) -> StepInfo:
         """``ShardedOptimizer.step``: armed on the watchdog by the caller."""
         clock, counters, comm = time.perf_counter, self.counters, self.comm
-        with comm.abort_on_error("while gathering the parameters"):
-            self.state.wait()  # what step(wait=False) left in flight
-        started = clock()
-        group_problem = self._check_param_groups()
-        with comm.abort_on_error("in step() while reducing the gradients"):
-            reduced = self.gradients.reduce_all()
-            problem = problem or self.gradients.problem or group_problem
-            reduced_at = clock()
-            self.watch.phase, self.watch.bucket = "agree", None
-            agreed = self._agreement(reduced, problem).summed(comm)
-            self.persistence.agreed(agreed)
+        reduced, agreed, started, reduced_at = self._reduce_and_agree(problem)
         agreed_at = clock()
-        self._raise_disagreement(agreed, problem)
 
         scale = counters.scaler.scale
         grad_norm = math.sqrt(agreed.sum_sq) / (comm.size * scale)
@@ -131,8 +133,9 @@ class StepPipeline:
             )
 
         clip = 1.0
-        if counters.max_grad_norm is not None:
-            clip = min(1.0, counters.max_grad_norm / (grad_norm + CLIP_EPS))
+        for max_norm in (counters.max_grad_norm, self._clip_to):
+            if max_norm is not None:
+                clip = min(clip, max_norm / (grad_norm + CLIP_EPS))
         factor = clip / (comm.size * scale)
         self.watch.disarm()  # the update is this rank's own work (the first may compile)
         with comm.abort_on_error("in step() while updating the parameters"):
@@ -141,7 +144,7 @@ class StepPipeline:
                 for g in counters.param_groups
             ]
             update, gather = self.state.update(reduced, scalars, counters.step + 1)
-            self.gradients.zero()
+            self.zero_grad()
         if wait:
             t0 = clock()
             self.watch.arm(counters.step + 1, "gather")
@@ -163,14 +166,69 @@ class StepPipeline:
             StepInfo(grad_norm, False, scale, clip, counters.step), agreed
         )
 
-    def _agreement(self, reduced: list, problem: str | None) -> Agreement:
+    def clip_grad_norm(self, max_norm: float | None, problem: str | None = None) -> float:
+        """``ShardedOptimizer.clip_grad_norm_``: the step's reduction and agreement now (the
+        reduction once: ``run`` and a second call agree again on what it found), the global
+        norm of the averaged, unscaled gradient returned; the coming ``run`` clips to
+        ``max_norm`` too (None: clips no more). Armed on the watchdog by the caller."""
+        try:
+            if max_norm is not None and number(max_norm, "max_norm") <= 0:
+                raise ValueError(f"max_norm={max_norm!r} must be > 0 (None: no clipping)")
+        except ValueError as exc:
+            problem = problem or f"clip_grad_norm_(): {exc}"
+        agreed = self._reduce_and_agree(problem)[1]
+        if max_norm is not None:
+            self._clip_to = float(max_norm)
+        return math.sqrt(agreed.sum_sq) / (self.comm.size * self.counters.scaler.scale)
+
+    def ready(self, names) -> None:
+        """``gradients.ready``, or after ``clip_grad_norm`` a problem for the step."""
+        if self._reduced is None:
+            self.gradients.ready(names)
+        else:
+            self._late = self._late or _LATE.format(f"grads_ready({names!r})")
+
+    def add(self, name: str, grad) -> None:
+        """``gradients.add``, or after ``clip_grad_norm`` a problem for the step."""
+        if self._reduced is None:
+            self.gradients.add(name, grad)
+        else:
+            self._late = self._late or _LATE.format(f"the gradient of {name!r}")
+
+    def zero_grad(self) -> None:
+        """Zero the gradients and forget a reduction ``clip_grad_norm`` made."""
+        self.gradients.zero()
+        self._reduced = self._late = self._clip_to = self._sum_sq = None
+
+    def _reduce_and_agree(self, problem: str | None) -> tuple[list, Agreement, float, float]:
+        """Every bucket's reduced shard (reduced once per step), the agreement of all ranks
+        on them, the times the reduction began and ended; raises on every rank what any rank
+        found."""
+        comm = self.comm
+        with comm.abort_on_error("while gathering the parameters"):
+            self.state.wait()  # what step(wait=False) left in flight
+        started = time.perf_counter()
+        group_problem = self._check_param_groups()
+        with comm.abort_on_error("in step() while reducing the gradients"):
+            if self._reduced is None:
+                self._reduced, self._sum_sq = self.gradients.reduce_all(), None
+            problem = problem or self.gradients.problem or group_problem or self._late
+            reduced_at = time.perf_counter()
+            self.watch.phase, self.watch.bucket = "agree", None
+            if self._sum_sq is None:  # replicas hold the same sums: the norm counts one
+                self._sum_sq = (
+                    float(sum(self.reductions.sum_of_squares(r) for r in self._reduced))
+                    if self.state.topology.replica == 0
+                    else 0.0
+                )
+            agreed = self._agreement(problem).summed(comm)
+            self.persistence.agreed(agreed)
+        self._raise_disagreement(agreed, problem)
+        return self._reduced, agreed, started, reduced_at
+
+    def _agreement(self, problem: str | None) -> Agreement:
         """This rank's part of the step's agreement."""
-        # Replicas hold the same sums: the norm counts one of them.
-        sum_sq = (
-            float(sum(self.reductions.sum_of_squares(r) for r in reduced))
-            if self.state.topology.replica == 0
-            else 0.0
-        )
+        sum_sq = self._sum_sq or 0.0
         options, order = self._options_digest(), self.gradients.order_digest
         return replace(
             self.persistence.poll(),
@@ -206,7 +264,7 @@ class StepPipeline:
     def _discard(self) -> None:
         """Drop this step's gradients, and the residuals their quantizing left (error
         feedback): nothing of the step is applied."""
-        self.gradients.zero()
+        self.zero_grad()
         self.gradients.rescale_feedback(0.0)
 
     def _check_param_groups(self) -> str | None:

@@ -22,12 +22,19 @@ import torch
 
 from .binding import PassThrough, optimizer_class
 from .engine import ShardedOptimizer
+from .params import group_extras
+from .torch_compat import (
+    BOUND,
+    OWNER,
+    check_norm_type,
+    install_clipping,
+    nonfinite_error,
+    torch_options,
+)
 
 __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
 
-#: The attribute naming a bound parameter's optimizer (a weak reference): binding a parameter
-#: to two optimizers would silently split its updates.
-OWNER = "_zero1_mpi_owner"
+install_clipping()  # torch.nn.utils.clip_grad_norm_ on bound parameters: the global norm
 
 STATE_DICT_HELP = (
     "a sharded optimizer has no single state_dict: each rank holds 1/N of it. "
@@ -118,6 +125,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         named = {name: p for group in groups for name, p in group["params"].items()}
         _check_unbound(named)
         cls = optimizer_class(rule)
+        options = torch_options(cls, options)
         _use_device_of(named)
         arrays = [
             {**group, "params": {name: as_array(p) for name, p in group["params"].items()}}
@@ -138,6 +146,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             p.grad = grad
             self._binding[name] = (p, p.data_ptr(), grad, grad is not None and grad.data_ptr())
             setattr(p, OWNER, weakref.ref(self))
+        BOUND.add(self)
         self._hooks = []
         ref = weakref.ref(self)
         if overlap or self.sharded_gradients:
@@ -178,14 +187,26 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        problem = (
-            None if self.sharded_gradients else self._repair_grads()
-        ) or self._binding_problem()
-        for group, target in zip(self.param_groups, self.sharded.param_groups):
-            for key in self.sharded.rule.options:
-                target[key] = group[key]
+        problem = self._sync_problem()
         self.last_step = self.sharded.step(wait=not self.overlap, problem=problem)
         return self.last_step if closure is None else loss
+
+    def clip_grad_norm_(
+        self, max_norm, norm_type=2.0, error_if_nonfinite: bool = False, foreach=None
+    ) -> torch.Tensor:
+        """Complete this step's gradient reduction now and return the global L2 norm of the
+        gradients averaged over the ranks (a 0-d float32 tensor, the same on every rank); the
+        coming ``step()`` clips them to ``max_norm`` (None: the norm only), as FSDP's and
+        DeepSpeed's ``clip_grad_norm_``, and ``torch.nn.utils.clip_grad_norm_`` on these
+        parameters. All ranks, after the step's last backward (a later gradient is an error of
+        the step). ``norm_type`` must be 2; ``foreach`` is ignored."""
+        problem = check_norm_type(norm_type) or self._sync_problem()
+        norm = self.sharded.clip_grad_norm_(max_norm, problem=problem)
+        error = nonfinite_error(norm) if error_if_nonfinite else None
+        if error is not None:
+            raise error
+        device = next(iter(self._binding.values()))[0].device
+        return torch.tensor(norm, dtype=torch.float32, device=device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer (``step()`` leaves it zeroed already). ``set_to_none`` is
@@ -221,15 +242,29 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         finally:
             self._sync = previous
 
+    def save(self, path, keep: int | None = None, *, blocking: bool = True):
+        """``ShardedOptimizer.save``, with ``param_groups`` as they are now (an LR scheduler's
+        ``lr`` for the next step, its ``initial_lr``), as ``torch.optim``'s ``state_dict()``
+        holds them; all ranks."""
+        self._push_groups()
+        return self.sharded.save(path, keep, blocking=blocking)
+
+    def save_consolidated(self, path):
+        """``ShardedOptimizer.save_consolidated``, with ``param_groups`` as they are now."""
+        self._push_groups()
+        return self.sharded.save_consolidated(path)
+
     def load(self, path):
         """``ShardedOptimizer.load`` into the model's parameters, in place, and the saved
-        rule options into ``param_groups``; all ranks."""
+        ``param_groups`` values (``lr``, ``initial_lr``, ...) into ``param_groups``; all
+        ranks. Then load an LR scheduler's state as usual (``scheduler.load_state_dict``), or
+        build it with ``last_epoch=opt.step_count - 1``."""
         loaded = super().load(path)
         self._pull_options()
         return loaded
 
     def load_consolidated(self, path):
-        """``ShardedOptimizer.load_consolidated``, and the saved rule options into
+        """``ShardedOptimizer.load_consolidated``, and the saved ``param_groups`` values into
         ``param_groups``; all ranks."""
         loaded = super().load_consolidated(path)
         self._pull_options()
@@ -249,6 +284,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             delattr(p, OWNER)
         unbound: Any = None  # no more steps: close() takes the core from _unbound
         self._hooks, self._binding = [], {}
+        BOUND.discard(self)
         self._unbound, self.sharded = self.sharded, unbound
 
     def close(self) -> None:
@@ -265,9 +301,43 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
 
     # -- the binding -------------------------------------------------------------------------
 
+    def _sync_problem(self) -> str | None:
+        """Before the step's collectives: ``.grad`` put back into the buffers and
+        ``param_groups`` handed to the core (values a checkpoint cannot hold left out: a
+        signal's checkpoint goes without them); a problem found, for the step to raise on
+        every rank."""
+        problem = None if self.sharded_gradients else self._repair_grads()
+        self._push_groups(strict=False)
+        return problem or self._binding_problem()
+
+    def _push_groups(self, strict: bool = True) -> None:
+        """Hand ``param_groups`` (the rule's options and the plain values beside them) to the
+        core; ``strict``: a value a checkpoint cannot hold raises on every rank (a
+        collective)."""
+        problem = None
+        rule = self.sharded.rule
+        for index, (group, target) in enumerate(zip(self.param_groups, self.sharded.param_groups)):
+            target.update({key: group[key] for key in rule.options})
+            try:
+                extras = group_extras(group, rule, strict)
+            except ValueError as exc:
+                problem = problem or ValueError(f"param_groups[{index}]: {exc}")
+                continue
+            for key in [k for k in target if k != "names" and k not in rule.options]:
+                del target[key]  # a value removed from torch's group since the last push
+            target.update(extras)
+        if strict:
+            self.sharded.comm.agree(problem)
+
     def _pull_options(self) -> None:
+        """The core's ``param_groups`` values into torch's (a tensor ``lr`` filled in place,
+        as torch's LR schedulers do)."""
         for group, source in zip(self.param_groups, self.sharded.param_groups):
-            group.update({key: source[key] for key in self.sharded.rule.options})
+            for key, value in source.items():
+                if key != "names" and torch.is_tensor(group.get(key)):
+                    group[key].fill_(value)
+                elif key != "names":
+                    group[key] = value
 
     def _hand_over(self, name: str) -> None:
         """The post-accumulate-grad hook (``shard_gradients``): hand the gradient of ``name``

@@ -192,7 +192,9 @@ def errors(root: Path):
         mine = kwargs if rank == size - 1 else {}
         raises(ValueError, text, lambda: opt.checkpoint_on_signal(ckpt, **mine))
         check(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, f"{kwargs}: installed")
-    raises(ValueError, "path=None", lambda: opt.checkpoint_on_signal(None))
+    raises(ValueError, "path=12: pass the checkpoint directory",
+           lambda: opt.checkpoint_on_signal(12))
+    raises(ValueError, "keep=2 with path=None", lambda: opt.checkpoint_on_signal(None, keep=2))
     if size > 1:
         raises(CollectiveError, "path (", lambda: opt.checkpoint_on_signal(root / f"r{rank}"))
 
@@ -237,6 +239,18 @@ def errors(root: Path):
     check(not info.stop and plain == armed and plain.get("allreduce_sum", 0) == (size > 1),
           f"a plain step called {plain}, an armed one {armed}")
     check(not ckpt.exists(), "a checkpoint was written without a signal")
+
+    # path=None: a signal to one rank stops every rank at the same step, which saves nothing.
+    with opt.checkpoint_on_signal(None, signals="SIGUSR1") as handle:
+        for step in range(2, 5):
+            if step == 3 and rank == size - 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                wait_for_handler(handle, 1)
+            info = one_step(opt, step)
+            check(info.stop == (step == 3) and info.checkpoint is None, f"step {step}: {info}")
+            if info.stop:
+                break
+    check(info.step == opt.step_count == 4 and not ckpt.exists(), f"{info}")
     if rank == 0:
         print(f"OK preemption errors on {size} ranks", flush=True)
 
