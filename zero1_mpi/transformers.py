@@ -158,12 +158,14 @@ class ZeroTrainer(Trainer):
         )
         return self.optimizer
 
-    # (private: PRIVATE_HOOKS) accelerate's clip_grad_norm_ computes each rank's own norm
+    # (private: PRIVATE_HOOKS) The optimizer's own clipping, rather than accelerate's through
+    # torch.nn.utils (which zero1_mpi.torch makes global): that sees no .grad with
+    # shard_gradients, where it would log a norm of 0 and not clip.
     def _clip_grad_norm(self, model):
         return self.optimizer.clip_grad_norm_(self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        return self.optimizer.clip_grad_norm_(float("inf")) if grad_norm is None else grad_norm
+        return self.optimizer.clip_grad_norm_(None) if grad_norm is None else grad_norm
 
     # -- data and loss -----------------------------------------------------------------------
 
