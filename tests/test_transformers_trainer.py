@@ -6,9 +6,10 @@ transformers is not installed, failed instead where ``ZERO1_REQUIRE_TRANSFORMERS
   gradient accumulation and clipping that bites.
 - tests/cases/trainer_gpt2.py (a tiny GPT-2, token counts that differ between ranks, dropout):
   a run stopped by SIGUSR1 on one rank checkpoints at a step boundary and, resumed in a new
-  job, goes on with an uninterrupted run's losses and ends with its optimizer state, bit for
-  bit; a 2-rank checkpoint loads on 1 rank exactly; rank 0 alone writes and logs; every rank
-  evaluates to the same metrics; arguments that differ between ranks are refused on each.
+  job (overlapped), goes on with an uninterrupted run's losses and ends with its optimizer
+  state, bit for bit; a 2-rank checkpoint loads on 1 rank exactly (into stage 2); rank 0
+  alone writes and logs; every rank evaluates to the same metrics; arguments that differ
+  between ranks are refused on each.
 - In one process: the refusals, the private Trainer methods relied on, the arguments' copy.
 """
 
@@ -147,15 +148,16 @@ def test_rank_0_alone_logs_and_writes_and_every_rank_evaluates_alike(uninterrupt
 def test_a_signal_checkpoints_and_the_resumed_run_is_the_uninterrupted_one(uninterrupted,
                                                                           tmp_path):
     """SIGUSR1 to the last rank as step 3 begins: every rank stops after step 3 with a Trainer
-    checkpoint; a new job (resume_from_checkpoint=True) goes on to step 8 with the
-    uninterrupted run's losses and ends with its optimizer state, bit for bit."""
+    checkpoint; a new job (resume_from_checkpoint=True, overlapped reductions this time) goes
+    on to step 8 with the uninterrupted run's losses and ends with its optimizer state, bit
+    for bit."""
     root, _, full = uninterrupted
     case(2, tmp_path / "out", "--signal-at", "3", "--dump", str(tmp_path / "stopped.json"))
     stopped = json.loads((tmp_path / "stopped.json").read_text())
     assert stopped["step"] == 3
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["checkpoint-3"]
-    case(2, tmp_path / "out", "--resume", "--dump", str(tmp_path / "resumed.json"),
-         "--consolidated", str(tmp_path / "state"))
+    case(2, tmp_path / "out", "--resume", "--zero", "overlap", "--dump",
+         str(tmp_path / "resumed.json"), "--consolidated", str(tmp_path / "state"))
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     for key in ("loss", "grad_norm", "learning_rate", "eval_loss"):
         assert steps(resumed["log_history"], key) == steps(full["log_history"], key), key
@@ -164,13 +166,14 @@ def test_a_signal_checkpoints_and_the_resumed_run_is_the_uninterrupted_one(unint
 
 
 def test_a_2_rank_checkpoint_loads_exactly_on_1_rank(uninterrupted, tmp_path):
-    """The optimizer state and parameters loaded on 1 rank are those saved on 2, bit for bit;
-    the run goes on (its own data order) at the schedule's learning rates."""
+    """The optimizer state and parameters loaded on 1 rank are those saved on 2, bit for bit,
+    also into stage 2 (shard_gradients); the run goes on (its own data order) at the
+    schedule's learning rates, its grad norms the optimizer's (accelerate's would be 0)."""
     root, _, full = uninterrupted
     (tmp_path / "out").mkdir()
     os.symlink(root / "out" / "checkpoint-4", tmp_path / "out" / "checkpoint-4")
-    case(1, tmp_path / "out", "--resume", "--dump", str(tmp_path / "one.json"),
-         "--consolidated", str(tmp_path / "state"))
+    case(1, tmp_path / "out", "--resume", "--zero", "shard_gradients", "--dump",
+         str(tmp_path / "one.json"), "--consolidated", str(tmp_path / "state"))
     assert same_state(tmp_path / "state" / "begin-4.safetensors",
                       root / "state" / "save-4.safetensors")
     one = json.loads((tmp_path / "one.json").read_text())
@@ -178,6 +181,7 @@ def test_a_2_rank_checkpoint_loads_exactly_on_1_rank(uninterrupted, tmp_path):
     assert steps(one["log_history"], "learning_rate") == steps(full["log_history"],
                                                                 "learning_rate")
     assert all(np.isfinite(list(steps(one["log_history"]).values())))
+    assert min(steps(one["log_history"], "grad_norm").values()) > 0.1
 
 
 def test_arguments_that_differ_between_ranks_are_refused_on_every_rank(tmp_path):

@@ -8,7 +8,8 @@ optimizer's shards (recorded by wrapping the writers Trainer uses: ``open`` for 
 state (``save_consolidated``) at each checkpoint (``save-<step>``), after a resume has loaded
 (``begin-<step>``) and at the end (``end-<step>``). ``--signal-at K``: the last rank sends
 itself SIGUSR1 as step K begins (``stop_signals``); ``--mismatch``: the last rank asks for
-one more step, which every rank refuses. The labels of some tokens are -100, so the
+one more step, which every rank refuses; ``--zero overlap`` / ``--zero shard_gradients``:
+``zero_options``. The labels of some tokens are -100, so the
 ranks' token counts differ; dropout is on, so the RNG states matter.
 """
 
@@ -36,6 +37,8 @@ parser.add_argument("--signal-at", type=int)
 parser.add_argument("--dump")
 parser.add_argument("--consolidated")
 parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--zero", action="append", default=[], choices=["overlap", "shard_gradients"],
+                    help="zero_options={<this>: True}")
 parser.add_argument("--mismatch", action="store_true",
                     help="the last rank asks for one more step: refused on every rank")
 args = parser.parse_args()
@@ -130,6 +133,7 @@ try:
     trainer = ZeroTrainer(
         model=model, args=training_args, train_dataset=Rows(0, 40, True),
         eval_dataset=Rows(40, 8, False), callbacks=[Probe()], stop_signals=("SIGUSR1",),
+        zero_options=dict.fromkeys(args.zero, True),
     )
 except Exception as exc:
     if not args.mismatch:
