@@ -35,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .comm import Communicator, mpi_library
 from .torch import ZeroOptimizer
 
-__all__ = ["ZeroTrainer", "OPTIMIZER_DIR", "PRIVATE_HOOKS"]
+__all__ = ["ZeroTrainer", "TrainerZeroOptimizer", "OPTIMIZER_DIR", "PRIVATE_HOOKS", "hide_launch"]
 
 #: The subdirectory of a Trainer checkpoint that holds the sharded optimizer.
 OPTIMIZER_DIR = "zero1_optimizer"
