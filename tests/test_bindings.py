@@ -15,7 +15,8 @@ from zero1_mpi.binding import CORE_INTERFACE, PassThrough
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
 #: What each binding does its framework's way, with a signature of its own.
-OWN = {"torch": {"step", "zero_grad"}, "jax": {"step", "zero_grad"}}
+#: What a binding does its own way (torch: clip_grad_norm_ with torch's signature, a tensor back).
+OWN = {"torch": {"step", "zero_grad", "clip_grad_norm_"}, "jax": {"step", "zero_grad"}}
 
 
 def binding(name):
