@@ -14,8 +14,8 @@ from zero1_mpi.binding import CORE_INTERFACE, PassThrough
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
-#: What each binding does its framework's way, with a signature of its own.
-#: What a binding does its own way (torch: clip_grad_norm_ with torch's signature, a tensor back).
+#: What each binding does its framework's way, with a signature of its own (torch's
+#: clip_grad_norm_ takes torch's arguments and gives a tensor).
 OWN = {"torch": {"step", "zero_grad", "clip_grad_norm_"}, "jax": {"step", "zero_grad"}}
 
 
