@@ -29,7 +29,7 @@ def _real_scalar(value) -> bool:
     if getattr(value, "shape", None) != () or type(value).__name__.endswith("Tracer"):
         return False
     dtype = getattr(value, "dtype", None)
-    if hasattr(dtype, "is_floating_point"):  # a torch.dtype
+    if dtype is not None and hasattr(dtype, "is_floating_point"):  # a torch.dtype
         return not dtype.is_complex and str(dtype) != "torch.bool"
     try:
         return np.dtype(dtype).kind in "fiu"
