@@ -97,7 +97,8 @@ LAYERS = (
     ("the engine", {"engine"}),
     ("the optimizers", {"rules", "rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
-    ("the package, bindings and tools", {"", "binding", "torch", "jax", "memory_tool",
+    ("the package, bindings and tools", {"", "binding", "torch", "jax", "jax_params",
+                                         "memory_tool",
                                          "memory.__main__", "plan"}),
 )
 
