@@ -4,6 +4,7 @@ ValueError that names the value and what it must be."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -28,8 +29,8 @@ def _real_scalar(value) -> bool:
         return True
     if getattr(value, "shape", None) != () or type(value).__name__.endswith("Tracer"):
         return False
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and hasattr(dtype, "is_floating_point"):  # a torch.dtype
+    dtype: Any = getattr(value, "dtype", None)
+    if hasattr(dtype, "is_floating_point"):  # a torch.dtype
         return not dtype.is_complex and str(dtype) != "torch.bool"
     try:
         return np.dtype(dtype).kind in "fiu"
