@@ -12,7 +12,7 @@ model with an optax schedule and mask against ``optax.adamw(schedule, mask=...)`
 load on one rank. ``int8``: 8-bit reduction and gathers through the binding (the same bytes
 on every rank, near 16-bit collectives; warnings are errors).
 
-    mpiexec -n N python -m mpi4py tests/cases/jax_adapter.py parity|errors|flax|nnx ...
+    mpiexec -n N python -m mpi4py tests/cases/jax_adapter.py parity|errors|flax|nnx|int8|resume DIR ...
 """
 
 import functools
