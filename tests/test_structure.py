@@ -91,7 +91,7 @@ def test_the_package_has_no_import_loop():
 #: ones (a new module must be placed here). Entry points (``__main__``) sit on top.
 LAYERS = (
     ("pure: stdlib, numpy", {"layout", "memory", "scaler", "progress", "launcher", "rule",
-                             "rules.options", "watchdog", "views"}),
+                             "rules.options", "watchdog", "views", "schedules", "spellings"}),
     ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions", "wire",
                         "masters", "state_dtypes"}),
     ("the engine's parts", {"topology", "exchange", "gathers", "buckets", "grad_shards", "gradients",
@@ -101,7 +101,8 @@ LAYERS = (
     ("the optimizers", {"rules", "rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
     ("the package, bindings and tools", {"", "binding", "torch", "torch_compat", "jax",
-                                         "memory_tool", "memory.__main__", "plan"}),
+                                         "jax_params", "memory_tool", "memory.__main__",
+                                         "plan"}),
     ("integrations of the bindings", {"transformers"}),
 )
 

@@ -9,13 +9,18 @@ their bound, overflow in any block is a skipped step or an error on every rank, 
 bad values on every rank.
 """
 
+import warnings
+
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import reference as ref
 from mpirun import run_mpi
-from zero1_mpi import wire
+from zero1_mpi import Communicator, build_layout, wire
 from zero1_mpi.backend import BFLOAT16
+from zero1_mpi.gathers import QuantizedGathers
+from zero1_mpi.watchdog import Watchdog
 
 KINDS = ["numpy", "numba"]
 DTYPES = [np.float32, np.float16, BFLOAT16]
@@ -100,6 +105,51 @@ def test_quantization_error_is_within_half_a_step():
     wire.codec_for("numpy").decode_sum(packed[None], x.size, out)
     scales = np.repeat(wire.split_packed(packed, x.size)[0], 256)[: x.size]
     assert (np.abs(out - x) <= scales / 2 * (1 + 1e-6)).all()
+
+
+#: A signaling nan of each 16-bit dtype: converting one to float32 sets the invalid flag.
+SIGNALING_NAN = {np.dtype(BFLOAT16): 0x7F81, np.dtype(np.float16): 0x7C01}
+
+
+class Uninitialized:
+    """NumPy whose ``empty`` gives 16-bit float arrays full of signaling nans (as fresh memory
+    may hold), other arrays of 0xff bytes."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=float):
+        out = np.empty(shape, dtype)
+        if out.dtype in SIGNALING_NAN:
+            out.view(np.uint16)[...] = SIGNALING_NAN[out.dtype]
+        else:
+            out.view(np.uint8)[...] = 0xFF
+        return out
+
+
+@pytest.mark.mpi_independent
+@pytest.mark.parametrize("dtype", [BFLOAT16, np.float16])
+def test_8bit_gathers_never_read_the_padding_of_their_scratch(dtype):
+    """The kernel writes a shard's real elements only; the 8-bit gather's change is computed
+    over those, so nan in the scratch's padding warns of nothing and reaches no parameter
+    (it once gave "RuntimeWarning: invalid value encountered in subtract")."""
+    layout = build_layout({"w": (40,)}, 1, np.dtype(dtype).name, bucket_elements=64)
+    params = np.zeros(layout.total, dtype)
+    params[:40] = np.linspace(-1, 1, 40)
+    gathers = QuantizedGathers(layout, params, Communicator(MPI.COMM_SELF), Watchdog(None),
+                               Uninitialized(), wire.codec_for("numpy"))
+    (bucket,) = layout.buckets
+    assert bucket.owned_real(0) == 40 < bucket.shard_size == 64
+    new = (params[:40].astype(np.float32) + 0.25).astype(dtype)
+    gathers.target(bucket)[:40] = new  # as a kernel does: the padding stays as it was
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gathers.start(0)
+        gathers.wait()
+    step = np.abs(new.astype(np.float32) - np.linspace(-1, 1, 40)).max() / 127
+    assert np.abs(params[:40].astype(np.float32) - new.astype(np.float32)).max() <= 2 * step
+    assert not params[40:].astype(np.float32).any()
 
 
 @pytest.mark.parametrize("n, parts", [

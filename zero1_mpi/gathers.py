@@ -120,9 +120,13 @@ class QuantizedGathers(ParamGathers):
         slot, n, rank = self._free.popleft(), bucket.shard_size, self._comm.rank
         row = packed_bytes(n)
         lo, hi = bucket.shard(rank)
-        change = self._change[:n]
-        self._xp.subtract(self._new[:n], self._params[lo:hi], out=change, dtype=np.float32)
-        change[bucket.owned_real(rank) :] = 0  # the padding, which a kernel may leave unwritten
+        change, real = self._change[:n], bucket.owned_real(rank)
+        # Only the real elements: the kernel may leave the padding of ``_new`` unwritten
+        # (whatever the scratch held, nan or inf too, which subtracting would warn of).
+        self._xp.subtract(
+            self._new[:real], self._params[lo : lo + real], out=change[:real], dtype=np.float32
+        )
+        change[real:] = 0
         packed = self._packed[slot, : self._comm.size * row]
         mine = packed[rank * row : (rank + 1) * row]
         self._codec.encode(change, mine)

@@ -13,33 +13,51 @@ captured array is a constant). Imports JAX, which ``import zero1_mpi`` does not.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import functools
+from collections.abc import Callable
 
 import numpy as np
 
-from .binding import PassThrough, optimizer_class
+from . import jax_params
+from .binding import CORE_INTERFACE, PassThrough, optimizer_class
 from .comm import Communicator
 from .engine import ShardedOptimizer, StepInfo
+from .jax_params import ALIGNMENT, core_inputs, is_tracer
+from .schedules import Schedules
 
 _JAX_MISSING: ImportError | None
 try:
     import jax
 except ImportError as exc:  # the module still imports (tools, docs); ZeroOptimizer needs JAX
-    jax, _JAX_MISSING, _TRACER = None, exc, ()
+    jax, _JAX_MISSING = None, exc
 else:
-    _JAX_MISSING, _TRACER = None, getattr(jax.core, "Tracer", ())
+    _JAX_MISSING = None
 
 __all__ = ["ALIGNMENT", "ZeroOptimizer", "leaf_names"]
 
-#: Bytes: XLA:CPU makes a JAX array of host memory without a copy only at this alignment.
-ALIGNMENT = 64
 
-
+@functools.wraps(jax_params.leaf_names)
 def leaf_names(tree) -> list[str]:
-    """The name of each leaf of ``tree``, in ``jax.tree_util.tree_leaves`` order: its path's
-    keys joined by ``/`` (dict keys, sequence indices, attribute names: ``"layers/0/w"``)."""
     _require_jax()
-    return [_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return jax_params.leaf_names(tree)
+
+
+def _around_schedules(name: str):
+    """The core's method ``name`` for ``ZeroOptimizer``, with the schedules' numbers for the
+    step count given to the param groups before it and after it."""
+    core = CORE_INTERFACE[name]
+
+    @functools.wraps(core)  # the core's signature (through __wrapped__)
+    def method(self, *args, **kwargs):
+        self._next_lr()
+        try:
+            return getattr(self.sharded, name)(*args, **kwargs)
+        finally:
+            self._schedules.rewritten(self.sharded.param_groups)
+            self._next_lr()
+
+    method.__doc__ = f"{core.__doc__} A schedule given as ``lr`` goes on from the step count."
+    return method
 
 
 class ZeroOptimizer(PassThrough):
@@ -47,7 +65,9 @@ class ZeroOptimizer(PassThrough):
 
     Args:
         params: a pytree of floating-point arrays (dicts, lists, tuples, Flax's variable
-            dicts): the initial values (rank 0's are broadcast). A leaf is named by its path.
+            dicts, a ``flax.nnx`` State of parameters): the initial values (rank 0's are
+            broadcast). A leaf is named by its path (``leaf_names``). Any other leaf (an
+            integer, bool or PRNG key array, a Python number) is refused, naming it.
         rule: an optimizer class (``zero1_mpi.ZeroAdamW``, ``ZeroAdam``, ``ZeroSGD``,
             ``ZeroLion``, ``ZeroLAMB`` or your own) or one of ``"adamw"``, ``"adam"``,
             ``"sgd"``, ``"lion"``, ``"lamb"``.
@@ -56,10 +76,27 @@ class ZeroOptimizer(PassThrough):
         groups: param groups, a list of ``{"params": selector, <rule options>}``; a selector
             is ``f(name, leaf) -> bool`` or a collection of leaf names. A leaf joins the first
             group that selects it; the leaves no group selects form a group with the
-            optimizer's options. ``[{"params": lambda name, leaf: leaf.ndim < 2,
-            "weight_decay": 0.0}]`` exempts biases and norm scales from weight decay.
+            optimizer's options, first. ``[{"params": lambda name, leaf: name.rsplit("/",
+            1)[-1] in ("bias", "scale"), "weight_decay": 0.0}]`` exempts biases and norm
+            scales from weight decay.
+        mask: optax's ``mask`` of weight decay: a pytree of bools like ``params`` (or a
+            prefix of it: one bool for a subtree), or a function ``params -> such a pytree``
+            (called once, here), matched to the leaves by name; a leaf with False gets
+            ``weight_decay=0.0`` and keeps its group's other options (a group holding both
+            kinds becomes two in ``param_groups``: its decayed leaves', then the others').
         **options: the rule's options (``lr``, ``betas``, ``weight_decay``, ...) and the
-            engine's (``param_dtype``, ``max_grad_norm``, ``loss_scale``, ...).
+            engine's (``param_dtype``, ``max_grad_norm``, ``loss_scale``, ...). optax's
+            names are taken where they mean the same (``learning_rate``, ``b1``, ``b2``,
+            here and in groups; ``zero1_mpi.spellings``); its defaults are not.
+
+    ``lr`` may be a schedule (here, in a group, or set later as ``opt.param_groups[i]["lr"]``):
+    a function of the step count such as an optax schedule. A step uses ``schedule(count)``,
+    ``count`` being optax's: the updates applied before it (``step_count``). The group's
+    ``lr`` shows the number the next step uses; setting a number there ends the schedule. A
+    skipped step (dynamic loss scaling) does not count: the next one uses the same value.
+    Checkpoints record the number and the count; after ``load`` / ``load_consolidated`` (at
+    any world size) of an optimizer built with the same schedule, the steps go on bit for
+    bit. A schedule that raises, or gives no finite number, fails the step on every rank.
 
     The core ``ShardedOptimizer`` is ``opt.sharded``. In its flat buffer each group's leaves
     whose size is a whole number of 64-byte lines come first (in tree order), then the others,
@@ -80,30 +117,21 @@ class ZeroOptimizer(PassThrough):
     (rule 1 held by itself there); from 0.5 on they run asynchronously.
     """
 
-    def __init__(self, params, rule="adamw", comm=None, *, groups=None, **options):
+    def __init__(self, params, rule="adamw", comm=None, *, groups=None, mask=None, **options):
         _require_jax()
         if not isinstance(comm, Communicator):
             comm = Communicator(comm, cuda_aware=options.pop("cuda_aware", None))
-        error = None  # the try binds core_params and cls, or agree() raises on every rank
+        error = None  # the try binds cls and found, or agree() raises on every rank
         try:  # checked on every rank before the core's own checks and collectives
-            leaves, self._treedef = jax.tree_util.tree_flatten(params)
-            self._names = leaf_names(params)
-            arrays = dict(
-                zip(self._names, (_host_param(n, x) for n, x in zip(self._names, leaves)))
-            )
-            if len(arrays) < len(self._names):
-                raise ValueError(
-                    f"two leaves of params have the same name "
-                    f"{_first_duplicate(self._names)!r}: rename one (names join "
-                    "the path's keys with '/')"
-                )
             cls = optimizer_class(rule)
-            core_params = _grouped(arrays, groups, _itemsize(arrays, options))
+            found = core_inputs(params, cls, groups, mask, options)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = exc
         comm.agree(error)
+        self._names, self._treedef = found.names, found.treedef
         #: The core optimizer: buffers, layout, param groups, checkpoints.
-        self.sharded: ShardedOptimizer = cls(core_params, comm, **options)
+        self.sharded: ShardedOptimizer = cls(found.params, comm, **found.options)
+        self._schedules = Schedules(found.schedules, self.sharded.param_groups, 0)
         #: The ``StepInfo`` of the last ``step()`` (None before the first).
         self.last_step: StepInfo | None = None
         self._param_views = [self.sharded.params[n] for n in self._names]
@@ -150,7 +178,17 @@ class ZeroOptimizer(PassThrough):
         if grads is not None:
             self._take(grads, "step()")
         problem, self._problem, self._accumulated = self._problem, None, False
-        self.last_step = self.sharded.step(problem=problem)
+        groups, schedules = self.sharded.param_groups, self._schedules
+        failed = schedules.apply(groups, self.sharded.step_count)  # (always: no callable left)
+        problem = problem or failed
+        try:
+            self.last_step = self.sharded.step(problem=problem)
+        except BaseException:
+            schedules.restore(groups)  # nothing updated: the numbers as they were
+            raise
+        finally:
+            schedules.settle(groups)
+        self._next_lr()
         return self.last_step
 
     def zero_copy(self) -> dict[str, list[str]]:
@@ -179,8 +217,29 @@ class ZeroOptimizer(PassThrough):
 
     @property
     def param_groups(self) -> list[dict]:
-        """The core's param groups (``"names"`` and the rule's options; set ``lr`` there)."""
+        """The core's param groups (``"names"`` and the rule's options; set ``lr`` there, a
+        number or a schedule)."""
         return self.sharded.param_groups
+
+    @property
+    def lr_schedules(self) -> dict[int, Callable]:
+        """The schedule of each param group whose ``lr`` has one, by the group's index."""
+        return self._schedules.scheduled()
+
+    def _next_lr(self) -> None:
+        """Give the scheduled groups the next step's ``lr`` (a schedule that fails keeps its
+        group's number, and fails the next step on every rank)."""
+        self._schedules.apply(self.sharded.param_groups, self.sharded.step_count)
+        self._schedules.settle(self.sharded.param_groups)
+
+    # The core's methods that read or write the param groups: the next step's lr before them
+    # (no callable reaches the core), and again after them (a load restores the count).
+    save = _around_schedules("save")
+    save_consolidated = _around_schedules("save_consolidated")
+    load = _around_schedules("load")
+    load_consolidated = _around_schedules("load_consolidated")
+    restore_counters = _around_schedules("restore_counters")
+    clip_grad_norm_ = _around_schedules("clip_grad_norm_")
 
     # -- gradients in ------------------------------------------------------------------------
 
@@ -218,7 +277,7 @@ class ZeroOptimizer(PassThrough):
             if names != self._names:
                 raise ValueError(_structure_problem(names, self._names))
         for name, leaf, view in zip(self._names, leaves, self._param_views):
-            if isinstance(leaf, _TRACER):
+            if is_tracer(leaf):
                 raise TypeError(
                     f"grads[{name!r}] is a tracer: call step() outside jax.jit "
                     "(return the gradients from the jit-compiled function)"
@@ -250,107 +309,12 @@ def _require_jax() -> None:
         raise ImportError(f"zero1_mpi.jax needs JAX: pip install 'zero1-mpi[jax]' ({_JAX_MISSING})")
 
 
-def _path_name(path) -> str:
-    parts = []
-    for key in path:
-        for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
-def _first_duplicate(names: list[str]) -> str:
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            return name
-        seen.add(name)
-    raise ValueError("no two names are the same")  # (called only when two are)
-
-
 def _pointer(array) -> int | None:
     """The address of a single-device JAX array's buffer (None where it has none)."""
     try:
         return array.unsafe_buffer_pointer()
     except Exception:  # noqa: BLE001 - sharded or deleted arrays: not a view
         return None
-
-
-def _host_param(name: str, leaf) -> np.ndarray:
-    if isinstance(leaf, _TRACER):
-        raise TypeError(f"params[{name!r}] is a tracer: build ZeroOptimizer outside jax.jit")
-    return np.asarray(leaf)  # a read-only view of a JAX array; the core copies it
-
-
-def _itemsize(arrays: dict, options: dict) -> int:
-    """The bytes of one parameter element in the flat buffer, as far as known here (the core
-    checks ``param_dtype`` and the leaves' dtypes)."""
-    from .backend import resolve_dtype
-
-    try:
-        if options.get("param_dtype") is not None:
-            return np.dtype(resolve_dtype(options["param_dtype"])).itemsize
-        return max(a.dtype.itemsize for a in arrays.values())
-    except Exception:  # noqa: BLE001 - the core raises the real error
-        return 1
-
-
-def _grouped(arrays: dict, groups, itemsize: int):
-    """The core's ``params``: one mapping, or a list of groups (the leaves no group selects
-    first), each ordered whole-64-byte leaves first."""
-    if groups is None:
-        return _aligned_first(arrays, itemsize)
-    if isinstance(groups, Mapping) or not isinstance(groups, (list, tuple)):
-        raise TypeError(
-            f"groups must be a list of {{'params': selector, <options>}} dicts, got "
-            f"{type(groups).__name__}"
-        )
-    chosen: list[dict] = [{} for _ in groups]
-    rest: dict = {}
-    for index, group in enumerate(groups):
-        if not isinstance(group, Mapping) or "params" not in group:
-            raise TypeError(
-                f"groups[{index}] must be a dict with a 'params' selector (a "
-                "function (name, leaf) -> bool or a collection of names)"
-            )
-        selector = group["params"]
-        if isinstance(selector, str) or not (
-            callable(selector) or isinstance(selector, Collection)
-        ):
-            raise TypeError(
-                f"groups[{index}]['params'] must be a function (name, leaf) -> bool "
-                f"or a collection of leaf names, got {selector!r}"
-            )
-        if not callable(selector):
-            unknown = sorted(set(selector) - set(arrays))
-            if unknown:
-                raise ValueError(
-                    f"groups[{index}]['params'] names leaves that params lacks: "
-                    f"{unknown}; the names are {list(arrays)}"
-                )
-    for name, array in arrays.items():
-        for index, group in enumerate(groups):
-            selector = group["params"]
-            if selector(name, array) if callable(selector) else name in selector:
-                chosen[index][name] = array
-                break
-        else:
-            rest[name] = array
-    found = [{"params": _aligned_first(rest, itemsize)}] if rest else []
-    return found + [
-        {**group, "params": _aligned_first(members, itemsize)}
-        for group, members in zip(groups, chosen)
-        if members
-    ]
-
-
-def _aligned_first(arrays: dict, itemsize: int) -> dict:
-    """``arrays`` with those of a whole number of 64-byte lines first, each part in order."""
-    whole = {n: a for n, a in arrays.items() if a.size * itemsize % ALIGNMENT == 0}
-    return {**whole, **{n: a for n, a in arrays.items() if n not in whole}}
 
 
 def _structure_problem(got: list[str], want: list[str]) -> str:

@@ -5,14 +5,21 @@ aligned), gradients from a jit-compiled ``jax.value_and_grad`` at ``opt.params()
 float32 and bfloat16 with param groups (by predicate, by names), SGD with momentum through
 ``accumulate()``; against the float64 references of tests/reference.py. ``errors``: a wrong
 pytree, shape or dtype on one rank raises ValueError on every rank with nothing updated, and
-so do bad constructor arguments. ``flax``: a flax.linen model against ``optax.adamw``. ``int8``: 8-bit reduction and
-gathers through the binding (the same bytes on every rank, near 16-bit collectives).
+so do bad constructor arguments, leaves that are not parameters, bad masks and a failing
+schedule. ``flax``: a flax.linen model against ``optax.adamw``. ``nnx``: a flax.nnx attention
+model with an optax schedule and mask against ``optax.adamw(schedule, mask=...)``. ``resume``
+(a directory): the schedule goes on bit for bit after ``load``, ``load_consolidated`` and a
+load on one rank. ``int8``: 8-bit reduction and gathers through the binding (the same bytes
+on every rank, near 16-bit collectives; warnings are errors).
 
-    mpiexec -n N python -m mpi4py tests/cases/jax_adapter.py parity|errors|flax ...
+    mpiexec -n N python -m mpi4py tests/cases/jax_adapter.py parity|errors|flax|nnx|int8|resume DIR ...
 """
 
+import functools
 import os
 import sys
+import warnings
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
@@ -181,8 +188,47 @@ def errors():
     expect_error(lambda: ZeroOptimizer(tree, "adamw", comm, groups={"params": ["pair/0"]}),
                  "groups must be a list")
     odd = {**tree, "pair": (tree["pair"][0], np.arange(3))} if rank == last else tree
-    expect_error(lambda: ZeroOptimizer(odd, "adamw", comm), "'pair/1'", "floating point",
+    expect_error(lambda: ZeroOptimizer(odd, "adamw", comm), "'pair/1'", "floating-point",
                  f"detected on rank {last}")
+    # leaves that are not parameters (an nnx model's RNG state, a Python number), named
+    keyed = {**tree, "rng": {"key": jax.random.key(0), "count": jnp.uint32(0)}, "t": 0.5}
+    expect_error(lambda: ZeroOptimizer(keyed if rank == last else tree, "adamw", comm),
+                 "'rng/count' (dtype uint32)", "'rng/key' (a PRNG key array", "'t' (a Python "
+                 "float)", "nnx.split(model, nnx.Param, ...)", f"detected on rank {last}")
+    # masks: not bools, not like params; optax's options zero1_mpi has not
+    every = jax.tree.map(lambda leaf: True, tree)
+    expect_error(lambda: ZeroOptimizer(tree, "adamw", comm, mask={**every, "pair": 1}),
+                 "mask['pair'] is 1", "True (weight decay applies) or False")
+    mask = {"dense": False, "blocks": True} if rank == 0 else {"dense": False, "blocks": True,
+                                                                "pair": True}
+    expect_error(lambda: ZeroOptimizer(tree, "adamw", comm, mask=mask),
+                 "mask is not a pytree like params", "no value for ['pair/0', 'pair/1']",
+                 "detected on rank 0")
+    expect_error(lambda: ZeroOptimizer(tree, "adamw", comm, mask=lambda p: {**every, "x": True}),
+                 "it has ['x'] that params lacks")
+    expect_error(lambda: ZeroOptimizer(tree, "lion", comm, eps_root=1e-8),
+                 "eps_root=1e-08 is an optax option", "pass eps")
+    expect_error(lambda: ZeroOptimizer(tree, "adamw", comm, learning_rate=1e-3, lr=1e-3),
+                 "learning_rate= (optax's name) and lr= both given")
+    expect_error(lambda: ZeroOptimizer(tree, "adamw", comm, mu_dtype="bfloat16"),
+                 "mu_dtype='bfloat16'", "state_dtype")
+    expect_error(lambda: ZeroOptimizer(tree, "adamw", comm, groups=[
+        {"params": ["pair/0"], "weight_decay": lambda count: 0.1}]),
+        "groups[0]: weight_decay=", "only lr (learning_rate) may be a schedule")
+    # a schedule that fails on one rank: the step fails on every rank, nothing updated
+    opt = ZeroOptimizer(tree, "adamw", comm, lr=lambda count: 1e-2 / (1 + count))
+    before = flat64(opt.params(), opt.names)
+    if rank == last:
+        opt.param_groups[0]["lr"] = lambda count: 1 / 0
+    expect_error(lambda: opt.step(good), "param_groups[0]['lr']: the schedule failed at step "
+                 "count 0", "ZeroDivisionError: division by zero",
+                 f"detected on rank {last}")
+    check(opt.step_count == 0 and opt.param_groups[0]["lr"] == 1e-2, "a failed step counted")
+    after = flat64(opt.params(), opt.names)
+    check(all(np.array_equal(before[k], after[k]) for k in before), "a failed step updated")
+    opt.param_groups[0]["lr"] = lambda count: 1e-2 / (1 + count)  # the same on every rank
+    opt.step(good)
+    check(opt.step_count == 1 and opt.param_groups[0]["lr"] == 5e-3, opt.param_groups)
     if rank == 0:
         print(f"OK jax adapter errors on {size} ranks")
 
@@ -248,11 +294,145 @@ def flax_model():
         print(f"OK jax adapter flax: 10 steps on {size} ranks, worst difference {worst:.1e}")
 
 
+@functools.cache
+def nnx_model():
+    """A flax.nnx attention model's parameters (a State), its jit-compiled ``value_and_grad``
+    and its data by rank and step."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                               decode=False, rngs=rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.norm(x + self.attn(x)).mean(axis=1))
+
+    # nnx's names and shapes (traced, not run), filled from NumPy: init would compile a lot
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Block(nnx.Rngs(0))), nnx.Param)
+    rng = np.random.default_rng(17)
+    params = jax.tree.map(
+        lambda s: jnp.asarray((rng.standard_normal(s.shape) * 0.3).astype(np.float32)), shapes)
+
+    @jax.jit
+    def loss_and_grads(params, x, y):
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(x)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+        return jax.value_and_grad(loss)(params)
+
+    def data(r, step):
+        rng = np.random.default_rng([13, step, r])
+        return (jnp.asarray(rng.standard_normal((4, 5, 8)).astype(np.float32)),
+                jnp.asarray(rng.integers(0, 3, 4).astype(np.int32)))
+
+    return params, loss_and_grads, data
+
+
+def decay_mask(params):
+    """optax's mask: weight decay for the kernels, not for biases (2-D in attention) or the
+    norm's scale. (An nnx State's path ends in the Variable's ``.value``.)"""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: "kernel" in jax.tree_util.keystr(path), params)
+
+
+SCHEDULE_OPTIONS = {"b1": 0.9, "b2": 0.98, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def schedule():
+    import optax
+
+    return optax.warmup_cosine_decay_schedule(0.0, 2e-2, 3, 10, end_value=2e-3)
+
+
+def nnx_parity():
+    """zero1_mpi.jax with ``learning_rate=schedule``, optax's names and ``mask`` against
+    ``optax.adamw(schedule, mask=...)`` on the mean gradient, one process."""
+    import optax
+
+    params, loss_and_grads, data = nnx_model()
+    opt = ZeroOptimizer(params, "adamw", comm, learning_rate=schedule(), mask=decay_mask,
+                        **SCHEDULE_OPTIONS)
+    check(opt.names[:2] == ["attn/key/bias", "attn/key/kernel"], f"names: {opt.names}")
+    exempt = {n for g in opt.param_groups if g["weight_decay"] == 0.0 for n in g["names"]}
+    check(exempt == {n for n in opt.names if "kernel" not in n} and len(exempt) == 7,
+          f"exempt from weight decay: {sorted(exempt)}")
+    tx = optax.adamw(schedule(), mask=decay_mask, **SCHEDULE_OPTIONS)
+
+    @jax.jit
+    def reference_update(ref, state, mean):
+        updates, state = tx.update(mean, state, ref)
+        return optax.apply_updates(ref, updates), state
+
+    # Both take the same gradients (ours, averaged): the attention's key bias has a gradient
+    # of zero but for rounding, which Adam scales up to lr, so gradients taken at parameters
+    # one rounding apart would part the two by lr in a step.
+    ref, state = params, tx.init(params)
+    worst, steps, treedef = 0.0, 8, jax.tree.structure(params)
+    for step in range(steps):
+        check(opt.param_groups[0]["lr"] == float(schedule()(step)), opt.param_groups)
+        _, grads = loss_and_grads(opt.params(), *data(rank, step))
+        every = comm.allgather([np.asarray(g) for g in jax.tree.leaves(grads)])
+        opt.step(grads)
+        mean = [sum(g[i] for g in every) / np.float32(size) for i in range(len(every[0]))]
+        ref, state = reference_update(ref, state, jax.tree.unflatten(treedef, mean))
+        for ours, theirs in zip(jax.tree.leaves(opt.params()), jax.tree.leaves(ref)):
+            worst = max(worst, float(np.abs(np.asarray(ours, np.float64) - theirs).max()))
+    # a step moves a parameter by up to lr (2e-2): float32 roundings differ by 1e-5 of that
+    check(worst < 1e-6, f"nnx + schedule + mask differ from optax.adamw by {worst}")
+    check(type(opt.params()) is type(params), "params() lost the nnx State")
+    if rank == 0:
+        print(f"OK jax adapter nnx + optax schedule and mask: {steps} steps on {size} ranks, "
+              f"worst difference {worst:.1e}")
+
+
+def resume(directory):
+    """Six steps, against three, a save (sharded and consolidated) and three more after
+    ``load``, ``load_consolidated`` and (on one rank, from the N-rank checkpoint) ``load``:
+    the same bits. Every rank takes rank 0's data, so that one rank's gradient is the mean."""
+    params, loss_and_grads, data = nnx_model()
+    directory = Path(directory)
+
+    def make(comm):
+        return ZeroOptimizer(params, "adamw", comm, learning_rate=schedule(), mask=decay_mask,
+                             **SCHEDULE_OPTIONS)
+
+    def train(opt, steps):
+        for step in steps:
+            check(opt.step_count == step, f"step_count {opt.step_count}, expected {step}")
+            opt.step(loss_and_grads(opt.params(), *data(0, step))[1])
+        return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(opt.params())]
+
+    whole = train(make(comm), range(6))
+    saved = make(comm)
+    train(saved, range(3))
+    lr = [g["lr"] for g in saved.param_groups]
+    check(lr == [float(schedule()(3))] * 2, f"the next step's lr: {lr}")
+    checkpoint = saved.save(directory / "checkpoints")
+    saved.save_consolidated(directory / "state.safetensors")
+    loads = {"load": (comm, lambda opt: opt.load(checkpoint)),
+             "load_consolidated": (comm, lambda opt: opt.load_consolidated(
+                 directory / "state.safetensors")),
+             "load on one rank": (MPI.COMM_SELF, lambda opt: opt.load(checkpoint))}
+    for what, (on, load) in loads.items():
+        opt = make(on)
+        load(opt)
+        check(opt.step_count == 3 and [g["lr"] for g in opt.param_groups] == lr,
+              f"{what}: step {opt.step_count}, {opt.param_groups}")
+        check(list(opt.lr_schedules) == [0, 1], f"{what}: {opt.lr_schedules}")
+        check(train(opt, range(3, 6)) == whole, f"{what}: the steps after it differ")
+    if rank == 0:
+        print(f"OK jax adapter resume with a schedule on {size} ranks: {', '.join(loads)}")
+
+
 def int8_wire():
     """8-bit reduction (with error feedback) and gathers through the binding: every rank's
     parameters are the same bytes, within 2% (relative L2) of 16-bit collectives' after the
     steps."""
     runs = {}
+    warnings.simplefilter("error", RuntimeWarning)  # (the 8-bit gather's padding once warned)
     for wire in ({}, {"reduce_dtype": "int8", "gather_dtype": "int8", "error_feedback": True}):
         opt = ZeroOptimizer(init_tree(), "adamw", comm, param_dtype="bfloat16", lr=1e-2,
                             bucket_elements=64, **wire)
@@ -271,6 +451,8 @@ def int8_wire():
 
 
 if __name__ == "__main__":
-    for part in sys.argv[1:]:
+    parts = iter(sys.argv[1:])
+    for part in parts:
         {"parity": parity, "errors": errors, "flax": flax_model, "int8": int8_wire,
+         "nnx": nnx_parity, "resume": lambda: resume(next(parts)),
          "stage2": lambda: parity(shard_gradients=True, grad_shard_dtype="float32")}[part]()
