@@ -92,10 +92,8 @@ class ZeroTrainer(Trainer):
       as under DDP. It pickles (``training_args.bin``) as the original class.
     - The train dataloader is accelerate's prepared for ``num_processes=N,
       process_index=rank``: each rank reads the batches DDP rank r reads under ``torchrun``.
-    - The optimizer is a ``ZeroOptimizer`` over Trainer's two param groups (no weight decay
-      for ``get_decay_parameter_names``' exceptions) with ``args``' AdamW options; clipping
-      and the logged grad norm go through ``opt.clip_grad_norm_`` (accelerate's clipping
-      would see each rank's own gradients).
+    - The optimizer is a ``ZeroOptimizer`` over Trainer's two param groups with ``args``'
+      AdamW options; clipping and the logged grad norm are ``opt.clip_grad_norm_``'s.
     - Loss: with ``average_tokens_across_devices`` the token count is summed over the ranks
       and the loss scaled by N, as under DDP; each micro-batch's loss is averaged over the
       ranks before Trainer accumulates it, so the logged loss is DDP's, on every rank.
@@ -104,14 +102,10 @@ class ZeroTrainer(Trainer):
       rest, rank 0 alone, ``trainer_state.json`` after every rank's files are written.
       Resuming loads the parameters and optimizer state exactly at any N; at the same N the
       run goes on bit for bit (data, dropout RNG, schedule), at another N with its data order.
-    - Evaluation: every rank evaluates the whole eval set (the same metrics everywhere; not
-      N times faster).
+    - Evaluation: every rank evaluates the whole eval set (the same metrics everywhere).
 
-    Refused, with the fix: fp16 (GradScaler decides overflow per rank), several GPUs per rank
-    (DataParallel), DeepSpeed/FSDP, ``enable_jit_checkpoint`` (a per-rank SIGTERM flag), an
-    optimizer passed in, an ``optim`` other than AdamW without ``zero_options["rule"]``, and a
-    checkpoint holding a torch ``optimizer.pt``. Trainer's private methods overridden here are
-    ``PRIVATE_HOOKS``, checked to exist when a ``ZeroTrainer`` is built.
+    What cannot work is refused naming the fix (``_refusal``: fp16, DataParallel, a passed
+    optimizer, ...). The private Trainer methods overridden (``PRIVATE_HOOKS``) are checked.
     """
 
     optimizer: Any  # Trainer's attribute: a TrainerZeroOptimizer once built
@@ -149,9 +143,8 @@ class ZeroTrainer(Trainer):
         args, options = self.args, dict(self.zero_options)
         rule = options.pop("rule", None)
         if rule is None:  # args.optim is AdamW (_refusal): its options
-            rule = "adamw"
-            options = {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon,
-                       **options}  # fmt: skip
+            betas, eps = (args.adam_beta1, args.adam_beta2), args.adam_epsilon
+            rule, options = "adamw", {"betas": betas, "eps": eps, **options}
         groups = [g for g in groups if g["params"]]
         self.optimizer = TrainerZeroOptimizer(
             groups, rule, self.mpi_comm, module=model, lr=args.learning_rate, **options
@@ -350,10 +343,8 @@ def _refusal(args, model, rest, kwargs, zero_options) -> str | None:
     optimizers = given.arguments.get("optimizers") or (None, None)
     cls_kwargs = given.arguments.get("optimizer_cls_and_kwargs")
     if optimizers[0] is not None:
-        return (
-            "optimizers=(optimizer, ...): ZeroTrainer builds its own ZeroOptimizer from args "
-            "(zero_options= for more); pass optimizers=(None, scheduler) or nothing"
-        )
+        return "optimizers=(optimizer, ...): ZeroTrainer builds its own ZeroOptimizer from " \
+            "args (and zero_options=): pass optimizers=(None, scheduler) or nothing"  # fmt: skip
     adamw = ("adamw_torch", "adamw_torch_fused")
     if not (zero_options.get("rule") or (args.optim in adamw and cls_kwargs is None)):
         return (
@@ -386,10 +377,7 @@ def _refusal(args, model, rest, kwargs, zero_options) -> str | None:
         )
     missing = [name for name in PRIVATE_HOOKS if not hasattr(Trainer, name)]
     if missing:
-        return (
-            f"transformers {transformers.__version__}'s Trainer has no {missing}, which "
-            "ZeroTrainer overrides: use a transformers version it was tested with (5.x)"
-        )
+        return f"transformers {transformers.__version__}'s Trainer lacks {missing}: use 5.x"
     return None
 
 
