@@ -7,7 +7,8 @@ clipping, evaluation and checkpoints, all from ``TrainingArguments``. It trains 
 zero1_mpi's sharded optimizer under ``mpiexec``: the lines marked ``# zero1_mpi`` are all that
 differs from a plain Trainer script. Under ``torchrun`` the same script trains with Trainer's
 own DistributedDataParallel instead (on the CPU, gloo), the reference to compare with: with the
-same arguments and rank count the logged losses are the same, step by step.
+same arguments and rank count the logged losses are the same step by step, to fp32 rounding
+(docs/transformers.md has the table).
 
     mpiexec -n 2 python -m mpi4py examples/trainer_gpt2.py --max-steps 200
     mpiexec -n 2 python -m mpi4py examples/trainer_gpt2.py --output-dir run --save-steps 50
