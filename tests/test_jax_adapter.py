@@ -54,14 +54,7 @@ def test_the_8bit_wire_through_the_binding():
 
 
 def test_a_flax_model_with_a_jit_step_matches_optax_adamw():
-    try:
-        import flax  # noqa: F401
-        import optax  # noqa: F401
-    except ImportError as exc:
-        if REQUIRED:
-            raise ImportError("ZERO1_REQUIRE_JAX=1 but flax does not import: "
-                              "pip install flax") from exc
-        pytest.skip(f"flax is not installed (pip install flax): {exc}")
+    needs_flax()
     out = run_mpi(2, "jax_adapter.py", "flax", timeout=180).stdout
     assert "OK jax adapter flax: 10 steps on 2 ranks" in out, out
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from collections.abc import Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -22,13 +21,15 @@ import torch
 
 from .binding import PassThrough, optimizer_class
 from .engine import ShardedOptimizer
-from .params import group_extras
 from .torch_compat import (
     BOUND,
     OWNER,
     check_norm_type,
     install_clipping,
+    named_groups,
     nonfinite_error,
+    pull_groups,
+    push_groups,
     torch_options,
 )
 
@@ -116,7 +117,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
     ):
         if isinstance(params, torch.nn.Module):
             module = params if module is None else module
-        groups = _named_groups(params, module)
+        groups = named_groups(params, module)
         if overlap and module is None:
             raise ValueError(
                 "overlap=True needs the module, whose forward completes the "
@@ -311,33 +312,16 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         return problem or self._binding_problem()
 
     def _push_groups(self, strict: bool = True) -> None:
-        """Hand ``param_groups`` (the rule's options and the plain values beside them) to the
-        core; ``strict``: a value a checkpoint cannot hold raises on every rank (a
-        collective)."""
-        problem = None
-        rule = self.sharded.rule
-        for index, (group, target) in enumerate(zip(self.param_groups, self.sharded.param_groups)):
-            target.update({key: group[key] for key in rule.options})
-            try:
-                extras = group_extras(group, rule, strict)
-            except ValueError as exc:
-                problem = problem or ValueError(f"param_groups[{index}]: {exc}")
-                continue
-            for key in [k for k in target if k != "names" and k not in rule.options]:
-                del target[key]  # a value removed from torch's group since the last push
-            target.update(extras)
+        """``push_groups`` to the core; ``strict``: what a checkpoint cannot hold raises on
+        every rank (a collective)."""
+        problem = push_groups(
+            self.param_groups, self.sharded.param_groups, self.sharded.rule, strict
+        )
         if strict:
             self.sharded.comm.agree(problem)
 
     def _pull_options(self) -> None:
-        """The core's ``param_groups`` values into torch's (a tensor ``lr`` filled in place,
-        as torch's LR schedulers do)."""
-        for group, source in zip(self.param_groups, self.sharded.param_groups):
-            for key, value in source.items():
-                if key != "names" and torch.is_tensor(group.get(key)):
-                    group[key].fill_(value)
-                elif key != "names":
-                    group[key] = value
+        pull_groups(self.param_groups, self.sharded.param_groups)
 
     def _hand_over(self, name: str) -> None:
         """The post-accumulate-grad hook (``shard_gradients``): hand the gradient of ``name``
@@ -436,68 +420,6 @@ def _call(ref, method: str, *args):
     opt = ref()
     if opt is not None and opt.sharded is not None:
         getattr(opt, method)(*args)
-
-
-def _named_groups(params, module) -> list[dict]:
-    """``params`` as a list of groups ``{"params": {name: parameter}, <options>}``."""
-    if isinstance(params, torch.nn.Module):
-        return [{"params": {n: p for n, p in params.named_parameters() if p.requires_grad}}]
-    if isinstance(params, torch.Tensor):
-        raise TypeError(
-            "params is a single tensor: pass the module, {name: tensor}, or param groups"
-        )
-    if isinstance(params, Mapping):
-        raw = [{"params": params}]
-    else:
-        params = list(params)
-        raw = (
-            params
-            if params and all(isinstance(g, Mapping) for g in params)
-            else [{"params": params}]
-        )
-    names = None if module is None else {id(p): n for n, p in module.named_parameters()}
-    groups: list[dict] = []
-    seen: dict[int, str] = {}  # id(parameter) -> its name
-    for index, group in enumerate(raw):
-        members: Any = group.get("params")  # a mapping, (name, p) pairs or tensors
-        if isinstance(members, Mapping):
-            members = list(members.items())
-        elif isinstance(members, torch.Tensor) or members is None:
-            raise TypeError(
-                f"param group {index}: 'params' must hold named parameters "
-                "({name: p} or (name, p) pairs), or tensors with module="
-            )
-        named = {}
-        for item in members:
-            if isinstance(item, torch.Tensor):
-                if names is None or id(item) not in names:
-                    raise TypeError(
-                        f"param group {index} lists a tensor without its name: "
-                        "pass {name: p} (e.g. dict(model.named_parameters())), or "
-                        "module=model to name it"
-                        + ("" if names is None else " (it is not a parameter of that module)")
-                    )
-                item = (names[id(item)], item)
-            name, p = item
-            if not isinstance(p, torch.Tensor) or not p.is_leaf:
-                raise TypeError(
-                    f"parameter {name!r} must be a leaf tensor (an nn.Parameter), "
-                    f"got {type(p).__name__}"
-                )
-            if not p.requires_grad:
-                raise ValueError(
-                    f"parameter {name!r} does not require grad: leave it out, or "
-                    "set requires_grad=True"
-                )
-            if id(p) in seen:
-                raise ValueError(
-                    f"the same tensor is given as {seen[id(p)]!r} and {name!r}: "
-                    "pass a tied parameter once"
-                )
-            seen[id(p)] = name
-            named[name] = p
-        groups.append({**group, "params": named})
-    return groups
 
 
 def _check_unbound(named: dict) -> None:

@@ -1,13 +1,14 @@
-"""What torch code asks of ``zero1_mpi.torch.ZeroOptimizer`` in torch's own terms.
+"""What torch code gives and asks of ``zero1_mpi.torch.ZeroOptimizer``, in torch's own terms.
 
-``torch_options(cls, options)``: a ``torch.optim`` optimizer's keyword arguments that change
-nothing here (``foreach``, ``fused``, ``capturable``, ``differentiable=False``,
-``amsgrad=False``, ``maximize=False``) dropped, the others refused naming the argument, the class
-and the docs' differences. ``install_clipping()`` (run when ``zero1_mpi.torch`` is imported) puts
-into ``torch.nn.utils`` a ``clip_grad_norm_``, ``get_total_norm`` and ``clip_grads_with_norm_``
-(what accelerate calls) that on a ZeroOptimizer's parameters or gradients are its global norm
-(each rank's ``.grad`` is its own unreduced gradient: torch's would be silently wrong), and a
-``clip_grad_value_`` that refuses them; on any other tensors they are torch's. Imports torch.
+``named_groups``: its ``params`` (a module, named parameters, torch-style param groups) as named
+groups. ``torch_options``: a ``torch.optim`` optimizer's arguments that change nothing here
+(``foreach``, ``fused``, ``capturable``, ``differentiable=False``, ``amsgrad=False``,
+``maximize=False``) dropped, others refused naming the class and the docs' differences.
+``push_groups``/``pull_groups``: ``param_groups`` to and from the core, as ``state_dict()``
+holds them. ``install_clipping()`` puts into ``torch.nn.utils`` a ``clip_grad_norm_``,
+``get_total_norm`` and ``clip_grads_with_norm_`` that give a ZeroOptimizer's global norm on its
+parameters (torch's would read each rank's unreduced ``.grad``), and a ``clip_grad_value_`` that
+refuses them; other tensors get torch's. Imports torch.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from __future__ import annotations
 import inspect
 import math
 import weakref
+from collections.abc import Mapping
+from typing import Any
 
 import torch
+
+from .params import group_extras
 
 __all__ = [
     "OWNER",
@@ -30,6 +35,9 @@ __all__ = [
     "clip_grads_with_norm_",
     "check_norm_type",
     "nonfinite_error",
+    "named_groups",
+    "push_groups",
+    "pull_groups",
 ]
 
 #: The attribute naming a bound parameter's optimizer (a weak reference): binding a parameter
@@ -214,3 +222,96 @@ def nonfinite_error(norm: float) -> RuntimeError | None:
         "so it cannot be clipped. To disable this error and scale the gradients by the "
         "non-finite norm anyway, set `error_if_nonfinite=False`"
     )
+
+
+def named_groups(params, module) -> list[dict]:
+    """``ZeroOptimizer``'s ``params`` (a module, named parameters, or torch-style param
+    groups naming their tensors, or listing them with ``module``) as a list of groups
+    ``{"params": {name: parameter}, <options>}``; a TypeError or ValueError with the fix."""
+    if isinstance(params, torch.nn.Module):
+        return [{"params": {n: p for n, p in params.named_parameters() if p.requires_grad}}]
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params is a single tensor: pass the module, {name: tensor}, or param groups"
+        )
+    if isinstance(params, Mapping):
+        raw = [{"params": params}]
+    else:
+        params = list(params)
+        raw = (
+            params
+            if params and all(isinstance(g, Mapping) for g in params)
+            else [{"params": params}]
+        )
+    names = None if module is None else {id(p): n for n, p in module.named_parameters()}
+    groups: list[dict] = []
+    seen: dict[int, str] = {}  # id(parameter) -> its name
+    for index, group in enumerate(raw):
+        members: Any = group.get("params")  # a mapping, (name, p) pairs or tensors
+        if isinstance(members, Mapping):
+            members = list(members.items())
+        elif isinstance(members, torch.Tensor) or members is None:
+            raise TypeError(
+                f"param group {index}: 'params' must hold named parameters "
+                "({name: p} or (name, p) pairs), or tensors with module="
+            )
+        named = {}
+        for item in members:
+            if isinstance(item, torch.Tensor):
+                if names is None or id(item) not in names:
+                    raise TypeError(
+                        f"param group {index} lists a tensor without its name: "
+                        "pass {name: p} (e.g. dict(model.named_parameters())), or "
+                        "module=model to name it"
+                        + ("" if names is None else " (it is not a parameter of that module)")
+                    )
+                item = (names[id(item)], item)
+            name, p = item
+            if not isinstance(p, torch.Tensor) or not p.is_leaf:
+                raise TypeError(
+                    f"parameter {name!r} must be a leaf tensor (an nn.Parameter), "
+                    f"got {type(p).__name__}"
+                )
+            if not p.requires_grad:
+                raise ValueError(
+                    f"parameter {name!r} does not require grad: leave it out, or "
+                    "set requires_grad=True"
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"the same tensor is given as {seen[id(p)]!r} and {name!r}: "
+                    "pass a tied parameter once"
+                )
+            seen[id(p)] = name
+            named[name] = p
+        groups.append({**group, "params": named})
+    return groups
+
+
+def push_groups(groups: list, targets: list, rule, strict: bool) -> ValueError | None:
+    """torch's ``param_groups`` into the core's ``targets``: the rule's options and the plain
+    values beside them (``params.group_extras``), as ``torch.optim``'s ``state_dict()`` holds
+    them; a value a checkpoint cannot hold is left out, or with ``strict`` the error."""
+    problem = None
+    for index, (group, target) in enumerate(zip(groups, targets)):
+        target.update({key: group[key] for key in rule.options})
+        try:
+            extras = group_extras(group, rule, strict)
+        except ValueError as exc:
+            problem = problem or ValueError(f"param_groups[{index}]: {exc}")
+            continue
+        for key in [k for k in target if k != "names" and k not in rule.options]:
+            del target[key]  # a value removed from torch's group since the last push
+        target.update(extras)
+    return problem
+
+
+def pull_groups(groups: list, sources: list) -> None:
+    """The core's param-group values (``sources``) into torch's ``groups``; a tensor (an
+    ``lr`` a scheduler keeps so) filled in place."""
+    for group, source in zip(groups, sources):
+        for key, value in source.items():
+            if key != "names" and torch.is_tensor(group.get(key)):
+                group[key].fill_(value)
+            elif key != "names":
+                group[key] = value
