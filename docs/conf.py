@@ -31,7 +31,8 @@ html_title = "zero1_mpi"
 autodoc_member_order = "bysource"
 # Optional packages the adapters and device code import: stand-ins where they are missing, so
 # the reference builds without torch, JAX, CuPy or Numba installed.
-autodoc_mock_imports = [name for name in ("torch", "jax", "cupy", "cupy_backends", "numba")
+autodoc_mock_imports = [name for name in ("torch", "jax", "cupy", "cupy_backends", "numba",
+                                          "transformers", "accelerate")
                         if importlib.util.find_spec(name) is None]
 autodoc_default_options = {"members": True, "show-inheritance": True}
 # Google-style docstrings. The engine's docstring has a section "Engine options (keyword-only):"

@@ -76,7 +76,7 @@ class ZeroTrainer(Trainer):
     """``transformers.Trainer`` training with ``zero1_mpi`` on the ranks of ``comm``.
 
     Args:
-        *args, **kwargs: ``Trainer``'s.
+        model, args, ...: ``Trainer``'s arguments, as they are.
         comm: an mpi4py intracommunicator (``MPI.COMM_WORLD`` when None).
         zero_options: for ``ZeroOptimizer`` (``rule``, ``shard_gradients``, ``reduce_dtype``,
             ``offload``, ...), over the AdamW options that ``args`` gives.
