@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from reference import (ReferenceAdam, ReferenceLAMB, ReferenceLion, ReferenceSGD,
                        ReferenceSignMomentum, close_to_reference, max_ulp_diff)
-from zero1_mpi.backend import resolve_dtype, to_numpy, xp_for
+from zero1_mpi.backend import like, resolve_dtype, to_numpy, xp_for
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
@@ -239,10 +239,11 @@ class EngineOracle:
     """The engine alone (one rank) as an oracle: ``step_sum(sums)`` takes the exact sums over
     the N ranks of what each handed over (``sum_grads(..., exact=True)``), written with a loss
     scale N times theirs, so that it scales them by the same fp32 factor as the N ranks do
-    (bitwise the same for an elementwise rule while clipping does not apply)."""
+    (bitwise the same for an elementwise rule while clipping does not apply). It runs on
+    ``init``'s backend: a CuPy kernel and its NumPy twin may round differently (FMA)."""
 
     def __init__(self, variant, options, init, groups, max_grad_norm, engine):
-        params = {k: to_numpy(v) for k, v in init.items()}
+        params = dict(init)
         if groups:
             params = [{"params": {k: params[k] for k in g["names"]},
                        **{o: v for o, v in g.items() if o != "names"}} for g in groups]
@@ -253,7 +254,8 @@ class EngineOracle:
 
     def step_sum(self, sums):
         for k, g in sums.items():
-            self.opt.grads[k][...] = (np.asarray(g) * self.scale).astype(self.opt.param_dtype)
+            grad = self.opt.grads[k]
+            grad[...] = like(grad, (np.asarray(g) * self.scale).astype(self.opt.param_dtype))
         return self.opt.step()
 
     @property

@@ -101,17 +101,20 @@ def test_parity_on_cupy_arrays(n, via):
     assert f"on {n} ranks (cupy{' via NCCL' if via == 'nccl' else ''}, kernel cupy)" in out
 
 
-def test_device_memory_is_measured_and_follows_the_formula():
+@pytest.mark.parametrize("masters, per_param", [("fp32", 16), ("remainder", 14)])
+def test_device_memory_is_measured_and_follows_the_formula(masters, per_param):
     """What the optimizer takes from CuPy's memory pool equals memory_report().device_bytes
     (all but the page-locked staging buffers of an MPI that is not CUDA-aware), and grows
-    with Ψ as 2Ψ + 2Ψ + 12Ψ/N does (N = 1 here: 16 bytes per bf16 parameter)."""
+    with Ψ as the formula does (N = 1: 2Ψ + 2Ψ + 12Ψ, 16 bytes per bf16 parameter with fp32
+    masters; 14 with the 2-byte remainders) plus the scratch the report lists (the remainders
+    decode a bucket's shard into fp32 on the GPU)."""
     pool = cupy.get_default_memory_pool()
     measured = []
     for psi in (1_000_000, 3_000_000):
         params = {"w": cupy.ones(psi, np.float32)}
         cupy.cuda.Device().synchronize()
         before = pool.used_bytes()
-        opt = ZeroAdamW(params, MPI.COMM_SELF, param_dtype="bfloat16")
+        opt = ZeroAdamW(params, MPI.COMM_SELF, param_dtype="bfloat16", masters=masters)
         opt.grads["w"][...] = 1e-3
         opt.step()
         cupy.cuda.Device().synchronize()
@@ -120,8 +123,10 @@ def test_device_memory_is_measured_and_follows_the_formula():
     slack = 64 * 1024  # the pool rounds each allocation up to 512 bytes; a few small arrays
     for held, report in measured:
         assert abs(held - report.device_bytes) <= slack, (held, report.device_bytes)
-    grown = measured[1][0] - measured[0][0]
-    assert abs(grown - 16 * 2_000_000) <= slack, grown
+    (held0, report0), (held1, report1) = measured
+    assert report1.formula_bytes - report0.formula_bytes == per_param * 2_000_000
+    scratch = report1.comm_scratch - report0.comm_scratch
+    assert abs(held1 - held0 - per_param * 2_000_000 - scratch) <= slack, (held1 - held0, scratch)
 
 
 @pytest.mark.parametrize("dtype_name", list(PARAM_DTYPES))

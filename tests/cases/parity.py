@@ -61,7 +61,7 @@ def rule_case(entry, variant, options, dtype_name, use_engine):
     mine = kit.init_values(xp=xp, r=rank)  # rank 0's values must win the broadcast
     params = kit.groups_of(mine, options)
     opt = kit.build(variant, params, communicator(), options, param_dtype=dtype_name, **engine)
-    oracle = kit.oracle(variant, options, kit.init_values(), groups=params,
+    oracle = kit.oracle(variant, options, kit.init_values(xp=xp), groups=params,
                         max_grad_norm=5.0, use_engine=use_engine,
                         engine={"bucket_elements": 1, "loss_scale": 8.0,
                                 "param_dtype": dtype_name})
