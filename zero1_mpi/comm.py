@@ -23,8 +23,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -271,6 +272,10 @@ class Communicator:
             ``ZERO1_MPI_DEVICE_STARTED``, then ``DEVICE_STARTED_PROVEN``, else no (blocking
             collectives for device buffers).
         stage_host: send host buffers through the staging path too (tests, debugging).
+        reduce_out_of_place: reduce-scatter into a block of scratch, then copy it to the
+            front of the buffer; None: for buffers handed to MPI on the device (Intel MPI
+            2021.18 with I_MPI_OFFLOAD=1 sums an in-place one wrong on every rank but 0, seen
+            on an H200; the out-of-place one right). True on host buffers: tests, debugging.
 
     Every method must be called on all ranks of the communicator.
     """
@@ -286,6 +291,7 @@ class Communicator:
         persistent: bool | None = None,
         device_started: bool | None = None,
         stage_host: bool = False,
+        reduce_out_of_place: bool | None = None,
         _agreed: bool = False,
     ):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -306,7 +312,10 @@ class Communicator:
         self.size = comm.Get_size()
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
         self.stage_host = stage_host
+        self.reduce_out_of_place = reduce_out_of_place
         self._staging: dict[str, np.ndarray] = {}
+        #: (address, nbytes) of a buffer -> the block an out-of-place reduce-scatter fills.
+        self._blocks: dict[tuple[int, int], Any] = {}
         self._persistent: dict[tuple, Prequest] = {}  # key -> an MPI persistent request
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
         #: Whether started collectives are MPI-4 persistent ones (else nonblocking), and why.
@@ -469,6 +478,11 @@ class Communicator:
         """In place: this rank's block of the sum over ranks lands in ``buf`` at
         ``reduced_block(buf)``, which is returned."""
         mpi_type = _reduce_type(buf.dtype)
+        if self._reduces_out_of_place(buf):
+            block = self._block_for(buf)
+            backend.synchronize(buf)
+            self._comm.Reduce_scatter_block([buf, mpi_type], [block, mpi_type], MPI.SUM)
+            return self._land(buf, block)
         with self._host_view(buf, "reduce_scatter") as host:
             self._comm.Reduce_scatter_block(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
         return self.reduced_block(buf)
@@ -501,6 +515,7 @@ class Communicator:
                 persistent=self.persistent,
                 device_started=self.device_started,
                 stage_host=self.stage_host,
+                reduce_out_of_place=self.reduce_out_of_place,
                 _agreed=True,
             )
         except BaseException:
@@ -551,6 +566,17 @@ class Communicator:
             self.reduce_scatter_sum(buf)
             return DONE
         spec = [buf, _reduce_type(buf.dtype)]
+        if self._reduces_out_of_place(buf):
+            block = self._block_for(buf)
+            out = [block, spec[1]]
+            request = self._start(
+                ("reduce_scatter_out", _address(buf), buf.nbytes),
+                lambda: self._comm.Reduce_scatter_block_init(spec, out, MPI.SUM),
+                lambda: self._comm.Ireduce_scatter_block(spec, out, MPI.SUM),
+                buf,
+            )
+            request.after = lambda: self._land(buf, block)
+            return request
         return self._start(
             ("reduce_scatter", _address(buf), buf.nbytes),
             lambda: self._comm.Reduce_scatter_block_init(MPI.IN_PLACE, spec, MPI.SUM),
@@ -619,6 +645,9 @@ class Communicator:
                 request = self._persistent.pop(key)
                 request.Wait()  # MPI may not free an active request; inactive: returns at once
                 request.Free()
+        for key in list(self._blocks):
+            if spans is None or any(lo <= key[0] < hi for lo, hi in spans):
+                del self._blocks[key]
 
     @property
     def freed(self) -> bool:
@@ -636,6 +665,7 @@ class Communicator:
             return
         self.close()
         self._staging.clear()
+        self._blocks.clear()
         comm, self._comm = self._comm, _Freed(type(self).__name__)
         if self.owns_comm:
             comm.Free()
@@ -651,6 +681,28 @@ class Communicator:
         if backend.is_device_array(buf):
             return not (self.cuda_aware and self.device_started)
         return self.stage_host
+
+    def _reduces_out_of_place(self, buf) -> bool:
+        if self.reduce_out_of_place is not None:
+            return self.reduce_out_of_place and not self._needs_staging(buf)
+        return backend.is_device_array(buf) and self.cuda_aware
+
+    def _block_for(self, buf):
+        """The block (``buf.size // size`` elements, beside ``buf``) that an out-of-place
+        reduce-scatter of ``buf`` fills: one per buffer, as two may be in flight."""
+        key = (_address(buf), buf.nbytes)
+        block = self._blocks.get(key)
+        if block is None:
+            xp = backend.xp_for("cupy" if backend.is_device_array(buf) else "numpy")
+            block = self._blocks[key] = xp.empty(buf.size // self.size, buf.dtype)
+        return block
+
+    def _land(self, buf, block):
+        """Copy an out-of-place reduce-scatter's ``block`` to where the in-place one leaves
+        it (``reduced_block``), which is returned."""
+        front = self.reduced_block(buf)
+        front[...] = block
+        return front
 
     def _needs_staging(self, buf) -> bool:
         if backend.is_device_array(buf):
@@ -669,19 +721,35 @@ class Communicator:
     def staging_bytes(self) -> int:
         return sum(buf.nbytes for buf in self._staging.values())
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of the blocks out-of-place reduce-scatters fill (beside their buffers)."""
+        return sum(block.nbytes for block in self._blocks.values())
+
 
 class Request:
     """A started collective: ``test()`` lets MPI progress it, ``wait()`` completes it."""
 
     def __init__(self, request=None):
         self._request = request
+        #: Called once, when the collective has completed (an out-of-place one's copy).
+        self.after: Callable[[], object] | None = None
 
     def test(self) -> bool:
-        return self._request is None or self._request.Test()
+        done = self._request is None or self._request.Test()
+        if done:
+            self._finish()
+        return done
 
     def wait(self) -> None:
         if self._request is not None:
             self._request.Wait()
+        self._finish()
+
+    def _finish(self) -> None:
+        after, self.after = self.after, None
+        if after is not None:
+            after()
 
 
 DONE = Request()  # what a blocking fallback returns

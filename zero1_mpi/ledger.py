@@ -44,7 +44,8 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         + reductions.scratch_bytes
         + device_scratch
         + staging
-        - staged_on_host,
+        - staged_on_host
+        + comm.block_bytes,
         psi=psi,
         group_size=layout.group_size,
         rank=state.shard_rank,

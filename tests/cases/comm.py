@@ -189,14 +189,55 @@ def check_steady_state_allocations():
         check(peak < limit, f"{dtype}/{opt.kernel}: a step allocated {peak} bytes")
 
 
+def check_started_out_of_place():
+    """``reduce_out_of_place`` (what device buffers handed to MPI take): two reduce-scatters
+    in flight, started persistent (where the library is proven) or nonblocking, each fills a
+    block of its own and lands at the front of its buffer on ``wait``, for every step; the
+    blocks are counted (``block_bytes``) and ``close`` frees them; the optimizer is the same
+    as with in-place ones (exact sums)."""
+    block, n = 6, 6 * size
+    want = sum(exact_values(n, r, np.float32) for r in range(size))[rank * block:][:block]
+    for persistent in (None, False):
+        comm = Communicator(world, persistent=persistent, reduce_out_of_place=True)
+        bufs = [np.empty(n, np.float32) for _ in range(2)]
+        for step in range(3):
+            for i, buf in enumerate(bufs):
+                buf[...] = exact_values(n, rank, np.float32) * (step + i + 1)
+            requests = [comm.start_reduce_scatter(buf) for buf in bufs]
+            for i, request in enumerate(requests[::-1]):
+                request.wait()
+            for i, buf in enumerate(bufs):
+                check(np.array_equal(buf[:block], want * (step + i + 1)),
+                      f"out of place, persistent={comm.persistent}, step {step}, buffer {i}")
+        check(comm.block_bytes == 2 * block * 4, f"block_bytes {comm.block_bytes}")
+        comm.close(bufs[:1])
+        check(comm.block_bytes == block * 4, f"after close: block_bytes {comm.block_bytes}")
+        comm.free()
+        check(comm.block_bytes == 0, "free() kept the blocks")
+    results = []
+    for out_of_place in (False, True):
+        comm = Communicator(world, reduce_out_of_place=out_of_place)
+        opt = ZeroAdam({"w": np.linspace(-1, 1, 333, dtype=np.float32)}, comm, lr=0.1,
+                       bucket_elements=100)
+        for step in range(3):
+            opt.grads["w"][...] = exact_values(333, rank + step, np.float32)
+            opt.step()
+        results.append(kit.shard_arrays(opt)["params"].copy())
+        if out_of_place:
+            check(opt.memory_report().comm_scratch >= comm.block_bytes > 0,
+                  "the out-of-place blocks are not in the memory report")
+    check(np.array_equal(results[0], results[1]), "out of place differs from in place")
+
+
 def main():
     check_steady_state_allocations()
     check_float16_reduction_in_mpi()
-    for stage_host in (False, True):
-        comm = Communicator(world, stage_host=stage_host)
+    for settings in ({"stage_host": False}, {"stage_host": True}, {"reduce_out_of_place": True}):
+        comm = Communicator(world, **settings)
         check_collectives(comm)
         check_allreduce_sum(comm)
         check_agreement(comm)
+    check_started_out_of_place()
     check_reduce_scatter_adds_in_some_order()
     check_optimizer_through_staging()
     if rank == 0:
