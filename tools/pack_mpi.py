@@ -31,6 +31,9 @@ KEEP = ("bin/mpiexec", "bin/mpiexec.hydra", "bin/hydra_pmi_proxy", "bin/hydra_bs
         "opt/mpi/etc/tuning_generic_shm.dat", "opt/mpi/etc/tuning_generic_shm-ofi.dat",
         "opt/mpi/etc/tuning_generic_ofi.dat", "share/doc/mpi/licensing/license.txt",
         "share/doc/mpi/licensing/third-party-programs.txt")
+#: Linux x86-64 wheels a device machine takes (pip matches each tag exactly).
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
 LINKS = {"lib/libmpi.so": "libmpi.so.12", "lib/libfabric.so": "libfabric.so.1"}
 
 
@@ -57,10 +60,14 @@ def slim_impi(wheel: Path, out: Path) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(".whl"))
+    parser.add_argument("--python-version", default="3.12",
+                        help="the device machine's Python (mpi4py's wheel is built per version)")
     args = parser.parse_args(argv)
     args.out.mkdir(exist_ok=True)
     pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d"]
-    subprocess.run(pip + [str(args.out), *WHEELS], check=True)
+    target = ["--only-binary=:all:", "--python-version", args.python_version,
+              "--implementation", "cp", *(f"--platform={p}" for p in PLATFORMS)]
+    subprocess.run(pip + [str(args.out), *target, *WHEELS], check=True)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(pip + [tmp, IMPI], check=True)
         wheel = next(Path(tmp).glob("impi_rt-*.whl"))
