@@ -47,7 +47,8 @@ def test_checked_options_are_attributes_and_are_compared_across_ranks():
     assert (opt.param_dtype.name, opt.max_grad_norm, opt.grad_shard_dtype.name) == \
         ("bfloat16", 2.0, "bfloat16")
     assert opt.shard_group_size == 1 and opt.offload_threads is None
-    assert set(opt.options.agreed()) == {o.name for o in options.OPTIONS}
+    assert set(opt.options.agreed()) == {o.name for o in options.OPTIONS if not o.local}
+    assert {o.name for o in options.OPTIONS if o.local} == {"offload_threads"}
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         opt.nonsense  # noqa: B018
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .comm import CollectiveError, Communicator
 from .layout import Layout, build_layout
-from .options import EngineOptions, check_options
+from .options import EngineOptions, check_options, python_scalar
 from .params import check_arrays, group_options, normalize_groups
 from .rule import missing_members
 
@@ -42,7 +42,7 @@ def configure(params, comm, rule, defaults: dict, given: dict) -> Setup:
     same options and parameters (collectives: on all ranks, before any other)."""
     owns_comm = not isinstance(comm, Communicator)
     if owns_comm:
-        comm = Communicator(comm, cuda_aware=given.get("cuda_aware"))
+        comm = Communicator(comm, cuda_aware=python_scalar(given.get("cuda_aware")))
     node = comm.node_ranks()
     error = None  # the try binds the rest, or agree() raises on every rank
     try:

@@ -33,9 +33,11 @@ from .watchdog import check_step_timeout
 
 __all__ = [
     "Option",
+    "Values",
     "OPTIONS",
     "EngineOptions",
     "check_options",
+    "python_scalar",
     "signature_parameters",
     "docstring_section",
     "markdown",
@@ -54,16 +56,61 @@ DEFAULT_STAGING = 2
 
 
 @dataclass(frozen=True)
+class Values:
+    """What an option takes, declared beside its check: the docs say it (``describe``) and the
+    tests are made from it (tests/test_declared_options.py): values outside it refused on every
+    rank naming the option, those at its edges taken, ``other`` on one rank only refused by
+    the agreement (unless the option is ``local``).
+
+    ``kind``: ``"number"`` (a real number, finite), ``"integer"``, ``"choice"`` (one of
+    ``choices``) or ``"flag"`` (True or False); ``low``/``high``: a number's bounds
+    (``low_open``: ``low`` itself refused); ``none``: None taken too; ``also``: strings taken
+    beside the kind's values. ``other``: a value the check takes that means something else than
+    the default, with the options ``needs`` (on every rank); ``alone``: whether ``other``
+    without ``needs`` is taken (else it must be refused: a value that would mean nothing)."""
+
+    kind: str
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    choices: tuple = ()
+    none: bool = False
+    also: tuple = ()
+    other: Any = None
+    needs: tuple = ()  # ((name, value), ...): hashable, as the dataclass is frozen
+    alone: bool = False
+
+    def describe(self) -> str:
+        """``"a number > 0 or None"``: what the option takes, in words."""
+        if self.kind == "flag":
+            parts = ["True", "False"]
+        elif self.kind == "choice":
+            parts = [repr(c) for c in self.choices]
+        else:
+            noun = "a number" if self.kind == "number" else "an integer"
+            if self.low is not None and self.high is not None and not self.low_open:
+                noun += f" from {self.low:g} to {self.high:g}"
+            elif self.low is not None:
+                noun += f" {'>' if self.low_open else '>='} {self.low:g}"
+            parts = [noun]
+        parts += [repr(a) for a in self.also] + (["None"] if self.none else [])
+        return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+@dataclass(frozen=True)
 class Option:
     """One engine option: ``check(value, checked)`` returns the value normalized, or raises;
     ``checked`` holds the context (``arrays``, ``comm``, ``comm_given``, ``node``) and the
-    options declared before it."""
+    options declared before it. ``values``: what it takes (``Values``); ``local``: a rank's own
+    choice, which the ranks need not share (the others must agree)."""
 
     name: str
     type: str
     default: Any
     check: Callable[[Any, dict], Any]
     doc: str
+    values: Values
+    local: bool = False
 
 
 def _param_dtype(value, checked):
@@ -290,6 +337,11 @@ def _grad_staging(value, checked):
             f"grad_staging={value!r} must be an integer >= 1 (staging buckets of "
             f"gradients; default {DEFAULT_STAGING})"
         )
+    if value != DEFAULT_STAGING and not checked["shard_gradients"]:
+        raise ValueError(
+            f"grad_staging={value!r} sets the staging buckets of shard_gradients=True: "
+            "pass that too, or drop it"
+        )
     return value
 
 
@@ -306,6 +358,9 @@ OPTIONS = (
         doc="``'float32'``, ``'float16'`` or ``'bfloat16'`` (``ml_dtypes.bfloat16``); "
         "default: the arrays' dtype. For fp32 parameters the owned shard of the "
         "parameter buffer is its own master copy (4Ψ + 4Ψ + 8Ψ/N bytes for Adam).",
+        values=Values(
+            "choice", choices=("float32", "float16", "bfloat16"), none=True, other="bfloat16"
+        ),
     ),
     Option(
         "loss_scale",
@@ -316,6 +371,7 @@ OPTIONS = (
         "good steps, x0.5 on overflow, minimum 1) or "
         "``LossScaler.dynamic_scaler(...)``. Multiply the loss by ``opt.loss_scale`` "
         "before backward.",
+        values=Values("number", low=0, low_open=True, none=True, also=("dynamic",), other=8.0),
     ),
     Option(
         "max_grad_norm",
@@ -325,6 +381,7 @@ OPTIONS = (
         doc="clip the averaged gradient to this global L2 norm (None: no clipping), as "
         "``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient; each rank "
         "sums the squares of its shard, the step's one ``Allreduce`` adds them.",
+        values=Values("number", low=0, low_open=True, none=True, other=1.0),
     ),
     Option(
         "reduce_dtype",
@@ -339,6 +396,7 @@ OPTIONS = (
         "``'int8'``: blockwise symmetric 8-bit values with an fp32 scale per 256 "
         "(``zero1_mpi.wire``), about half of 16-bit's bytes, decoded and summed in fp32 in "
         "rank order (deterministic); see ``compress_hops`` and ``error_feedback``.",
+        values=Values("choice", choices=REDUCE_DTYPES, other="int8"),
     ),
     Option(
         "compress_hops",
@@ -348,6 +406,12 @@ OPTIONS = (
         doc="with ``reduce_dtype='int8'`` and hierarchical sharding: ``'all'`` (every hop of "
         "the reduction in 8 bits) or ``'across'`` (only the sum across shard groups, where "
         "the link between nodes is; within a group as ``'float32'``).",
+        values=Values(
+            "choice",
+            choices=COMPRESS_HOPS,
+            other="across",
+            needs=(("reduce_dtype", "int8"), ("shard_group_size", 2)),
+        ),
     ),
     Option(
         "error_feedback",
@@ -359,6 +423,7 @@ OPTIONS = (
         "dtype within the group, Ψ/K of the reduced shard's across; "
         "``memory_report().error_feedback``); forgotten when a step is skipped or a "
         "checkpoint loaded (checkpoints do not hold it).",
+        values=Values("flag", other=True, needs=(("reduce_dtype", "int8"),)),
     ),
     Option(
         "gather_dtype",
@@ -369,6 +434,13 @@ OPTIONS = (
         "``'int8'`` (16-bit parameters: each step's change in 8-bit blocks, added to every "
         "rank's copy alike, so that the copies stay identical and within a bound of the "
         "fp32 masters' rounding that does not grow with the steps; docs/performance.md).",
+        values=Values(
+            "choice",
+            choices=("int8",),
+            none=True,
+            other="int8",
+            needs=(("param_dtype", "bfloat16"),),
+        ),
     ),
     Option(
         "bucket_elements",
@@ -376,6 +448,7 @@ OPTIONS = (
         DEFAULT_BUCKET_ELEMENTS,
         _bucket_elements,
         doc="size of a communication bucket, in elements; it bounds the communication scratch.",
+        values=Values("integer", low=1, other=64),
     ),
     Option(
         "cuda_aware",
@@ -385,6 +458,7 @@ OPTIONS = (
         doc="whether MPI takes GPU buffers; None asks the environment and MPI "
         "(docs/gpus.md). For a communicator this optimizer builds: pass it to a "
         "``Communicator`` you build instead.",
+        values=Values("flag", none=True, other=False),
     ),
     Option(
         "shard_group_size",
@@ -398,6 +472,7 @@ OPTIONS = (
         "across the groups, parameters all-gathered within the group. "
         "``opt.shard_group_size`` (K), ``opt.shard_rank`` and ``opt.replicas`` (N/K) "
         "tell what was chosen.",
+        values=Values("integer", low=2, none=True, also=("node",), other=2),
     ),
     Option(
         "offload",
@@ -409,6 +484,7 @@ OPTIONS = (
         "docs/memory.md), the device holding the parameters, gradients and "
         "communication scratch; the copies and the host kernel of neighbouring buckets "
         "overlap. None: all with the parameters.",
+        values=Values("choice", choices=("cpu",), none=True, other="cpu"),
     ),
     Option(
         "offload_threads",
@@ -416,6 +492,8 @@ OPTIONS = (
         None,
         _offload_threads,
         doc="the host kernel's threads with ``offload='cpu'`` (None: the cores this rank may use).",
+        values=Values("integer", low=1, none=True, other=1, needs=(("offload", "cpu"),)),
+        local=True,
     ),
     Option(
         "offload_fraction",
@@ -428,6 +506,7 @@ OPTIONS = (
         "split falls at the tensor-piece boundary nearest it (``memory_report()`` tells "
         "the bytes on each side). 0 keeps nothing on the host: the optimizer without "
         "``offload``.",
+        values=Values("number", low=0, high=1, other=0.5, needs=(("offload", "cpu"),)),
     ),
     Option(
         "masters",
@@ -441,6 +520,13 @@ OPTIONS = (
         "``gather_dtype`` is set, else fp32. With ``offload``, the host keeps fp32 masters; "
         "``'remainder'`` with ``offload_fraction`` below 1 keeps the device's part so. "
         "``opt.options.masters`` tells which.",
+        values=Values(
+            "choice",
+            choices=MASTERS,
+            other="fp32",
+            needs=(("param_dtype", "bfloat16"),),
+            alone=True,
+        ),
     ),
     Option(
         "state_dtype",
@@ -453,6 +539,7 @@ OPTIONS = (
         "codes of the dynamic map of 8-bit Adam with an fp32 scale per 256 values, about 1 "
         "byte each; tensors under 4096 elements keep fp32). ``zero1_mpi.state_dtypes``. "
         "Checkpoints hold fp32 state either way; offloaded, the host keeps its part so too.",
+        values=Values("choice", choices=STATE_DTYPES, other="bfloat16"),
     ),
     Option(
         "shard_gradients",
@@ -464,6 +551,7 @@ OPTIONS = (
         "every rank) instead of writing ``grads``; a bucket is reduced into this rank's "
         "gradient shard as soon as its last tensor is in, through a few staging "
         "buckets (``grad_staging``); the shard sums the micro-batches of a step.",
+        values=Values("flag", other=True),
     ),
     Option(
         "grad_shard_dtype",
@@ -473,6 +561,13 @@ OPTIONS = (
         doc="the gradient shard's dtype with ``shard_gradients``: None (the parameters') "
         "or ``'float32'`` (16-bit parameters: the exact fp32 sums, 2 bytes a parameter "
         "more per rank over N).",
+        values=Values(
+            "choice",
+            choices=("float32",),
+            none=True,
+            other="float32",
+            needs=(("shard_gradients", True), ("param_dtype", "bfloat16")),
+        ),
     ),
     Option(
         "grad_staging",
@@ -480,6 +575,7 @@ OPTIONS = (
         DEFAULT_STAGING,
         _grad_staging,
         doc="staging buckets with ``shard_gradients`` (at least 1).",
+        values=Values("integer", low=1, other=3, needs=(("shard_gradients", True),)),
     ),
     Option(
         "step_timeout",
@@ -490,6 +586,7 @@ OPTIONS = (
         "agreement; then the gathers, and ``wait()``'s; stage 2 reductions in "
         "``add_grad``) before the job is ended with a line naming the rank, step, phase "
         "and bucket, then MPI Abort (docs/clusters.md). None: no watchdog.",
+        values=Values("number", low=0, low_open=True, none=True, other=600.0),
     ),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -508,8 +605,11 @@ class EngineOptions:
         def __getattr__(self, name: str) -> Any: ...
 
     def agreed(self) -> dict:
-        """The values every rank must share, as plain values (compared across ranks)."""
-        return {name: _plain(value) for name, value in vars(self).items()}
+        """The values every rank must share, as plain values (compared across ranks): all but
+        the ``local`` options'."""
+        return {
+            name: _plain(value) for name, value in vars(self).items() if not _BY_NAME[name].local
+        }
 
     def __repr__(self) -> str:
         return f"EngineOptions({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
@@ -526,8 +626,18 @@ def check_options(given: dict, context: dict) -> EngineOptions:
         raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}{hint}")
     checked = dict(context)
     for option in OPTIONS:
-        checked[option.name] = option.check(given.get(option.name, option.default), checked)
+        value = python_scalar(given.get(option.name, option.default))
+        checked[option.name] = option.check(value, checked)
     return EngineOptions({option.name: checked[option.name] for option in OPTIONS})
+
+
+def python_scalar(value):
+    """A NumPy scalar as the Python value it holds (``np.int64(64)`` is 64, ``np.True_`` is
+    True), so that the checks take what NumPy computes as what Python writes."""
+    if isinstance(value, np.generic) and not isinstance(value, (np.str_, np.bytes_)):
+        if isinstance(value, (np.bool_, np.integer, np.floating)):
+            return value.item()
+    return value
 
 
 def signature_parameters() -> list[inspect.Parameter]:
@@ -566,7 +676,8 @@ def markdown() -> str:
     """The options as the Markdown list of docs/api.md (between its ``MARKERS``)."""
     return "\n".join(
         textwrap.fill(
-            f"- `{o.name}` (`{o.type}`, default `{o.default!r}`): {o.doc.replace('``', '`')}",
+            f"- `{o.name}` (`{o.type}`, default `{o.default!r}`): {o.doc.replace('``', '`')} "
+            f"Takes {o.values.describe()}{'; may differ between ranks' if o.local else ''}.",
             96,
             subsequent_indent="  ",
             break_on_hyphens=False,

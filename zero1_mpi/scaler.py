@@ -81,6 +81,11 @@ class LossScaler:
         if loss_scale == "dynamic":
             return cls.dynamic_scaler()
         if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+            if not (math.isfinite(loss_scale) and loss_scale > 0):
+                raise ValueError(
+                    f"loss_scale={loss_scale!r} must be a finite number > 0 (a fixed scale), "
+                    "None or 'dynamic'"
+                )
             return cls.fixed(float(loss_scale))
         raise ValueError(
             f"loss_scale={loss_scale!r} is not understood: use None, a number "
