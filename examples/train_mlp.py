@@ -206,9 +206,9 @@ progress.close()
 
 report = opt.memory_report()
 most = comm.reduce(report.total, op=MPI.MAX)     # on rank 0; None elsewhere
-label = "4Ψ+4Ψ+8Ψ/N" if args.dtype == "float32" else "2Ψ+2Ψ+12Ψ/N"
 print0(f"memory: {most} bytes/rank held (max over ranks); formula "
-       f"{label} = {report.formula_bytes:.0f}; the difference is padding + comm scratch")
+       f"{report.formula_label} = {report.formula_bytes:.0f}; the difference is padding + comm "
+       "scratch")
 tail = losses[-min(10, len(losses)):]
 print0(f"loss {losses[0]:.2f} -> {sum(tail) / len(tail):.2f} (mean of the last {len(tail)} steps)")
 print0(f"loss scale {opt.loss_scale:g}, {skipped} overflowed step(s) skipped")

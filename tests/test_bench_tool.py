@@ -43,6 +43,10 @@ def test_help_lists_the_benchmarks_and_each_documents_its_options(bench, capsys)
         assert exit_.value.code == 0, name
         text = capsys.readouterr().out
         assert text.startswith(f"usage: tools/bench.py {name} ") and "--json" in text, text
+    page = (ROOT / "docs" / "performance.md").read_text()
+    listed = page.split("The benchmarks are one command", 1)[1].split("(`--help` on", 1)[0]
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(NAMES), \
+        "docs/performance.md lists other benchmarks than tools/bench.py has"
 
 
 def test_gpu_without_cupy_or_a_gpu_says_so_in_one_line():

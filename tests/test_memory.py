@@ -1,6 +1,7 @@
 """The seed's memory formulas and table, each rule's bytes per parameter, MemoryReport, and
 tools/memory_table.py (--optimizer, --measure too)."""
 
+import re
 import importlib.util
 import json
 import math
@@ -442,6 +443,13 @@ def test_allocations_measured_with_tracemalloc_follow_the_formula(tmp_path, n):
     model whose state exceeds the bound."""
     out = "\n" + run_mpi(n, "memory.py", str(tmp_path), timeout=240).stdout
     assert f"OK measured memory on {n} ranks" in out
+    page = (ROOT / "docs" / "memory.md").read_text()
+    quoted = re.findall(r"^(adamw[^:\n]*: Ψ=\d+ K=[\d.]+) max held \d+ (bytes/rank, .*)$", page,
+                        re.MULTILINE)
+    assert len(quoted) >= 4
+    for head, tail in quoted:  # docs/memory.md's lines, but for the bytes held
+        assert re.search(rf"^{re.escape(head)} max held \d+ {re.escape(tail)}$", out,
+                         re.MULTILINE), f"docs/memory.md quotes {head} ... {tail}: stale"
     for label in ("adamw", "sgd momentum", "sgd", "lion", "adamw int8 wire, error feedback"):
         assert f"\n{label}, bfloat16: " in out and f"\n{label}, float32: " in out
     if getattr(zero1_mpi, "ZeroLAMB", None) is not None:
