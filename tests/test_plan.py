@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mpirun import run_mpi
+
 from zero1_mpi import plan as model
 from zero1_mpi.plan import main, packed_bytes, parse_rate, parse_seconds, plan
 
@@ -313,3 +315,13 @@ def test_small_gathers_by_recursive_doubling_as_measured_on_the_test_bed():
     for (reduce, gather), bytes_ in measured.items():
         model = plan(463_584, 4, 2, reduce=reduce, gather=gather, bandwidth="1gbit")
         assert abs(model["link_bytes_per_step_both"] / bytes_ - 1) < 0.01, (reduce, gather)
+
+
+@pytest.mark.parametrize("n", [4, 6])
+def test_the_plans_bytes_are_what_a_step_hands_to_mpi(n):
+    """tests/cases/plan_bytes.py: a spy communicator notes every array collective of a step;
+    for each combination the plan models (stage, dtypes, sums, hops, gathers, shard groups,
+    micro-batches), the bytes of each collective equal the plan's (6 ranks: 3 replicas). The
+    engine chooses the collectives, not MPI: run under the first MPI only."""
+    out = run_mpi(n, "plan_bytes.py", timeout=300).stdout
+    assert f"OK plan bytes on {n} ranks: 87 combinations" in out, out
