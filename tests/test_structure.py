@@ -198,3 +198,17 @@ def test_every_module_states_its_contract_and_exports(name):
     assert module.__doc__ and len(module.__doc__.strip().splitlines()) <= 11, name
     exported = getattr(module, "__all__", None)
     assert exported and all(hasattr(module, item) for item in exported), name
+
+
+def test_every_planted_bug_finds_its_text_once():
+    """tools/plant_bugs.py's plants can go stale when the code moves: each text it replaces
+    must be in its file exactly once (the tool itself takes minutes: run it after big moves)."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import plant_bugs
+    finally:
+        sys.path.remove(str(root / "tools"))
+    stale = [f"{bug.name}: {path}" for bug in plant_bugs.BUGS for path, old, _ in bug.edits
+             if (root / path).read_text().count(old) != 1]
+    assert not stale, stale

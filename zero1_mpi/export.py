@@ -3,7 +3,9 @@
 A safetensors file (an 8-byte little-endian header length, a JSON header giving each tensor's
 dtype, shape and byte range, then the raw data): ``<row>/<name>`` in float32 for each of the
 optimizer's ``state_rows`` but ``param`` (``master/w``, ``exp_avg/w``, ...), and in
-``__metadata__`` the rule, step, loss scaler and param groups. Both directions stream in
+``__metadata__`` the rule, step, loss scaler and param groups. ``param/<name>`` too where the
+16-bit parameters are not the masters rounded (8-bit gathers keep an approximation of them):
+a load into 16-bit parameters restores them, as a checkpoint's does. Both directions stream in
 bounded chunks (rank 0 writes what the owners send it; each rank reads only its own slices),
 and the file appears by an atomic rename once complete. They read and write the sharded state
 (``state.ShardedState``) and the step's ``Counters``. Both functions must be called on all
@@ -32,9 +34,15 @@ VERSION = "1"
 
 
 def _rows(state) -> tuple[str, ...]:
-    """The rows the file holds: all of ``state.rows`` but the 16-bit ``param`` (the rounded
-    master)."""
+    """The rows every file holds: all of ``state.rows`` but the 16-bit ``param``."""
     return tuple(row for row in state.rows if row != "param")
+
+
+def _saved_rows(state) -> tuple[str, ...]:
+    """The rows ``state`` saves: ``_rows``, and ``param`` where the parameters are not the
+    masters rounded."""
+    exact = getattr(state.gathers, "exact", True)
+    return _rows(state) + (("param",) if "param" in state.rows and not exact else ())
 
 
 def save_consolidated(comm, state, counters, path) -> Path:
@@ -56,7 +64,7 @@ def save_consolidated(comm, state, counters, path) -> Path:
 
     with comm.abort_on_error(f"while writing {file}"):
         received = np.empty(CHUNK, np.float32) if comm.rank == 0 else None
-        for kind in _rows(state):
+        for kind in _saved_rows(state):
             for owner, lo, hi, first in _pieces_in_flat_order(state.layout):
                 for start in range(lo, hi, CHUNK):
                     stop = min(hi, start + CHUNK)
@@ -108,21 +116,24 @@ def load_consolidated(comm, state, counters, path) -> Path:
         error = CheckpointError(f"cannot load {file}: {exc}")
     comm.agree(error)
 
+    tensors = state.layout.tensors
+    params = "param" in state.rows and all(f"param/{t.name}" in entries for t in tensors)
+    kinds = _rows(state) + (("param",) if params else ())
     with comm.abort_on_error(f"while reading {file}"), open(file, "rb") as f:
-        buffer = np.empty((len(_rows(state)), CHUNK), np.float32)
+        buffer = np.empty((len(kinds), CHUNK), np.float32)
         for lo, hi, first in state.layout.owned(state.shard_rank):
             for tensor, a, b in state.layout.pieces(lo, hi):
                 for start in range(a, b, CHUNK):
                     stop = min(b, start + CHUNK)
                     rows = {}
-                    for i, kind in enumerate(_rows(state)):
+                    for i, kind in enumerate(kinds):
                         begin = entries[f"{kind}/{tensor.name}"][0]
                         f.seek(data_start + begin + 4 * (start - tensor.offset))
                         chunk = buffer[i, : stop - start]
                         if f.readinto(chunk.view(np.uint8).data) != chunk.nbytes:
                             raise CheckpointError(f"{file} ended early")
                         rows[kind] = chunk
-                    # (no "param": the 16-bit parameters become the masters rounded)
+                    # (without "param", the 16-bit parameters become the masters rounded)
                     state.write(start, stop, first + start - lo, rows)
         state.publish()
         counters.restore(*saved)
@@ -158,7 +169,7 @@ def _header(state, counters) -> bytes:
         }
     }
     offset = 0
-    for kind in _rows(state):
+    for kind in _saved_rows(state):
         for t in state.layout.tensors:
             header[f"{kind}/{t.name}"] = {
                 "dtype": "F32",
@@ -171,7 +182,8 @@ def _header(state, counters) -> bytes:
 
 
 def _read_header(state, file: Path):
-    """``({key: (begin, end)}, first data byte, metadata)`` after checking everything."""
+    """``({key: (begin, end)}, first data byte, metadata)`` after checking everything: the
+    rows every file holds, and ``param`` where the file has it for every tensor."""
     if not file.is_file():
         raise CheckpointError(f"{file} is missing")
     size = file.stat().st_size
@@ -198,7 +210,8 @@ def _read_header(state, file: Path):
         )
     check_rule(state.rule, metadata.get("rule", "adam"), file)
     entries, data_bytes = {}, size - 8 - length
-    for kind in _rows(state):
+    optional = all(f"param/{t.name}" in header for t in state.layout.tensors)
+    for kind in _rows(state) + (("param",) if optional else ()):
         for t in state.layout.tensors:
             key = f"{kind}/{t.name}"
             info = header.get(key)

@@ -28,6 +28,9 @@ class ParamGathers:
     """The all-gathers of ``params`` (the flat parameter buffer laid out by ``layout``) over
     ``shard_comm``, marked on ``watch``."""
 
+    #: Whether the gathered parameters are the masters rounded (not an approximation of them).
+    exact = True
+
     def __init__(self, layout, params, shard_comm, watch: Watchdog):
         self.layout, self._params, self._comm, self._watch = layout, params, shard_comm, watch
         self._in_flight: deque = deque()  # (bucket index, request, slot), in the order started
@@ -88,6 +91,8 @@ class ParamGathers:
 class QuantizedGathers(ParamGathers):
     """``ParamGathers`` of each step's change in 8-bit blocks (``codec``: ``wire.codec_for``),
     through ``slots`` packed slots (a third start waits for the oldest)."""
+
+    exact = False
 
     def __init__(self, layout, params, shard_comm, watch: Watchdog, xp, codec, slots: int = 2):
         largest = max(b.shard_size for b in layout.buckets)
