@@ -73,6 +73,8 @@ def test_repr_says_rule_groups_world_stage_dtypes_and_offload():
     staged = ZeroSGD({"w": np.ones(3, np.float32)}, MPI.COMM_SELF, shard_gradients=True,
                      grad_shard_dtype="float32", param_dtype="float16")
     assert "stage 2" in repr(staged) and "grad_shard_dtype=float32" in repr(staged)
+    whole = ZeroSGD({"w": np.ones(3, np.float32)}, MPI.COMM_SELF, offload="cpu")
+    assert "offload='cpu')" in repr(whole), repr(whole)  # a share of 1 goes unsaid
     opt.close()
     assert repr(opt).endswith("(closed)")
 

@@ -111,6 +111,9 @@ CONSTRUCTION = [
      ["offload_threads=2", "offload='cpu'"]),
     ("offload_fraction above 1", lambda: ZeroAdam(good(), offload="cpu", offload_fraction=1.5),
      ValueError, ["offload_fraction=1.5", "from 0 to 1"]),
+    ("remainder masters offloaded whole", lambda: ZeroAdam(
+        good(), param_dtype="bfloat16", masters="remainder", offload="cpu"), ValueError,
+     ["masters='remainder'", "offload='cpu' keeps every master on the host"]),
     ("offload_fraction nan",
      lambda: ZeroAdam(good(), offload="cpu", offload_fraction=float("nan")),
      ValueError, ["offload_fraction=nan", "from 0 to 1"]),
