@@ -52,6 +52,8 @@ def make(variant, options, dtype, stage2, on=world, **engine):
     dtype)."""
     params = kit.groups_of(kit.init_values(SHAPES, xp=xp), options)
     engine = {"bucket_elements": 64, "max_grad_norm": 5.0, **engine}
+    if not stage2:
+        engine.pop("grad_staging", None)  # (stage 2's alone)
     if stage2:
         engine["shard_gradients"] = True
         if stage2 == "fp32":
