@@ -67,6 +67,9 @@ def test_float32_matches_ddp_and_plots(tmp_path):
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# (a SIGKILLed rank ending the job, under every MPI: tests/test_mpi_library.py; a resume bit
+# for bit, under every MPI: tests/test_checkpoint.py)
+@pytest.mark.mpi_independent
 def test_killed_bfloat16_run_resumes_where_it_was(tmp_path):
     """Checkpoints every 5 steps, the last rank SIGKILLed at step 8: the job ends; resumed,
     it starts at step 5 and its losses are those of an uninterrupted run, bit for bit (with a
@@ -116,6 +119,7 @@ def test_fused_reference_trains_in_one_process_and_matches_in_float32():
     assert rc != 0 and "--reference fused trains in one process: run it on 1 rank" in out
 
 
+@pytest.mark.mpi_independent  # (the 8-bit paths' bits under every MPI: tests/cases/wire.py)
 def test_8bit_collectives_through_the_torch_binding():
     """``--reduce-dtype int8 --gather-dtype int8 --error-feedback``: it trains, and ends near
     the 16-bit run (the loss curves of issue 28 are tools/gpt_losses.py's)."""

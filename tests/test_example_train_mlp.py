@@ -73,6 +73,9 @@ def final_losses(out: str) -> tuple[float, float]:
     return float(found.group(1)), float(found.group(2))
 
 
+# (under every MPI: a SIGKILLed rank, tests/test_mpi_library.py; checkpoints loaded on other
+# world sizes, tests/test_checkpoint.py)
+@pytest.mark.mpi_independent
 def test_a_killed_run_resumes_on_fewer_ranks_and_reaches_the_same_loss(tmp_path):
     """4 ranks, checkpoints every 20 steps, the last rank SIGKILLed at step 50: the job ends;
     2 ranks resume from step 40 and end where an uninterrupted 4-rank run does (the global
