@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from zero1_mpi import ShardedOptimizer, ZeroAdamW, ZeroSGD, options
+from zero1_mpi import Communicator, ShardedOptimizer, ZeroAdamW, ZeroSGD, options
 from zero1_mpi.rules.registry import builtin_rules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,3 +87,18 @@ def test_offload_fraction_takes_any_real_number_from_0_to_1(share, want):
     got = opt.options.offload_fraction
     assert type(got) is float and got == want and str(got) == str(want)
     opt.close()
+
+
+def test_what_the_checks_resolve_and_refuse_beside_the_declarations():
+    """What tools/mutate.py found no test of: ``cuda_aware`` refused beside a Communicator
+    (and its default taken), ``masters='auto'`` resolved to fp32 where offload keeps every
+    master on the host, and ``EngineOptions``' repr."""
+    comm = Communicator(MPI.COMM_SELF)
+    params = {"w": np.ones(3, np.float32)}
+    ZeroAdamW(params, comm).close()
+    with pytest.raises(ValueError, match="cuda_aware= applies to a communicator this "):
+        ZeroAdamW(params, comm, cuda_aware=True)
+    offloaded = ZeroAdamW(params, MPI.COMM_SELF, param_dtype="bfloat16", offload="cpu")
+    assert offloaded.options.masters == "fp32"
+    assert repr(offloaded.options).startswith("EngineOptions(param_dtype=dtype(bfloat16)")
+    offloaded.close()
