@@ -2,14 +2,12 @@
 
 A safetensors file (an 8-byte little-endian header length, a JSON header giving each tensor's
 dtype, shape and byte range, then the raw data): ``<row>/<name>`` in float32 for each of the
-optimizer's ``state_rows`` but ``param`` (``master/w``, ``exp_avg/w``, ...), and in
-``__metadata__`` the rule, step, loss scaler and param groups. ``param/<name>`` too where the
-16-bit parameters are not the masters rounded (8-bit gathers keep an approximation of them):
-a load into 16-bit parameters restores them, as a checkpoint's does. Both directions stream in
-bounded chunks (rank 0 writes what the owners send it; each rank reads only its own slices),
-and the file appears by an atomic rename once complete. They read and write the sharded state
-(``state.ShardedState``) and the step's ``Counters``. Both functions must be called on all
-ranks, with a path every rank sees (for loading).
+optimizer's ``state_rows`` (``master/w``, ``exp_avg/w``, ...; ``param`` only where the 16-bit
+parameters are not the masters rounded: 8-bit gathers, whose approximation a load restores), and
+in ``__metadata__`` the rule, step, loss scaler and param groups. Both directions stream in
+bounded chunks (rank 0 writes what the owners send it; each rank reads only its own slices), and
+the file appears by an atomic rename once complete. They read and write the sharded state
+(``state.ShardedState``) and the step's ``Counters``; all ranks, a path every rank sees.
 """
 
 from __future__ import annotations
