@@ -39,7 +39,7 @@ def _rows(state) -> tuple[str, ...]:
 def _saved_rows(state) -> tuple[str, ...]:
     """The rows ``state`` saves: ``_rows``, and ``param`` where the parameters are not the
     masters rounded."""
-    exact = getattr(state.gathers, "exact", True)
+    exact = state.gathers.exact
     return _rows(state) + (("param",) if "param" in state.rows and not exact else ())
 
 

@@ -58,7 +58,7 @@ DEFAULT_STAGING = 2
 @dataclass(frozen=True)
 class Values:
     """What an option takes, declared beside its check: the docs say it (``describe``) and the
-    tests are made from it (tests/test_declared_options.py): values outside it refused on every
+    tests are made from it (tests/cases/declared_options.py): values outside it refused on every
     rank naming the option, those at its edges taken, ``other`` on one rank only refused by
     the agreement (unless the option is ``local``).
 
@@ -634,9 +634,8 @@ def check_options(given: dict, context: dict) -> EngineOptions:
 def python_scalar(value):
     """A NumPy scalar as the Python value it holds (``np.int64(64)`` is 64, ``np.True_`` is
     True), so that the checks take what NumPy computes as what Python writes."""
-    if isinstance(value, np.generic) and not isinstance(value, (np.str_, np.bytes_)):
-        if isinstance(value, (np.bool_, np.integer, np.floating)):
-            return value.item()
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
     return value
 
 
