@@ -1,8 +1,9 @@
 """Session set-up shared by the tests, and the ``mpi_independent`` marker.
 
-A test marked ``mpi_independent`` cannot depend on which MPI runs it: one process, or an
-example's numerics that the multi-rank cases already check under every MPI. CI runs the suite
-once per MPI and these in its first pass only: ``ZERO1_SKIP_MPI_INDEPENDENT=1`` skips them.
+A test marked ``mpi_independent`` cannot depend on which MPI runs it: one process, an
+example's numerics that the multi-rank cases already check under every MPI, or a world size
+whose MPI calls a sibling parametrization makes (``mpirun.SIBLING``). CI runs the suite once per
+MPI and these in its first pass only: ``ZERO1_SKIP_MPI_INDEPENDENT=1`` skips them.
 """
 
 import os

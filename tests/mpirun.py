@@ -21,6 +21,12 @@ CASES = Path(__file__).parent / "cases"
 ROOT = Path(__file__).parent.parent
 
 
+def SIBLING(*values):  # noqa: N802 - reads as a parametrization's values
+    """A parametrization whose MPI calls a sibling also makes (another world size of the same
+    case): marked ``mpi_independent``, so CI runs it in the first MPI's pass only."""
+    return pytest.param(*values, marks=pytest.mark.mpi_independent)
+
+
 def mpi_flavor() -> str:
     """The launcher's MPI: "MPICH", "Open MPI", "Intel MPI", ..."""
     return flavor(*launcher())

@@ -8,12 +8,12 @@ in groups of 2."""
 import pytest
 from mpi4py import MPI
 
-from mpirun import run_mpi
+from mpirun import SIBLING, run_mpi
 from zero1_mpi import Communicator
 from zero1_mpi.topology import resolve_shard_group_size
 
 
-@pytest.mark.parametrize("n, k, m", [(4, 2, 3), (6, 3, 4)])
+@pytest.mark.parametrize("n, k, m", [(4, 2, 3), SIBLING(6, 3, 4)])
 def test_hierarchical_sharding_then_checkpoints_at_other_sizes(tmp_path, n, k, m):
     out = run_mpi(n, "hierarchical.py", "save", str(tmp_path), str(k), timeout=300).stdout
     assert f"OK hierarchical sharding on {n} ranks: K = {k}" in out, out

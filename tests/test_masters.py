@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from mpirun import run_mpi
+from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdamW
 from zero1_mpi.backend import BFLOAT16
 from zero1_mpi.masters import TIE, RemainderMasters
@@ -87,7 +87,7 @@ def test_bitwise_today_for_every_rule_stage_overlap_and_group(tmp_path):
     assert "OK masters on 3 ranks" in out, out
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 6])  # 4: groups of 2; 6: groups of 2 and of 3
+@pytest.mark.parametrize("n", [1, 2, 4, SIBLING(6)])  # 4: groups of 2; 6: groups of 2 and of 3
 def test_bitwise_today_on_other_world_sizes(n, tmp_path):
     out = run_mpi(n, "masters.py", str(tmp_path), "rules", "ties", "checkpoint",
                   timeout=300).stdout

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from casekit import run_twin
-from mpirun import run_mpi
+from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdam
 from zero1_mpi.backend import PARAM_DTYPES
 from zero1_mpi.layout import build_layout
@@ -38,7 +38,7 @@ from zero1_mpi.state_dtypes import Fp32State
 from zero1_mpi.rules.registry import builtin_rules
 
 
-@pytest.mark.parametrize("n, group", [(3, None), (4, 2)])
+@pytest.mark.parametrize("n, group", [SIBLING(3, None), (4, 2)])
 def test_offloaded_equals_not_offloaded(tmp_path, n, group):
     """3 ranks (uneven shards), 4 in 2 groups of 2 (hierarchical sharding); after a load,
     the parameters of every bucket are the saved ones before any step."""

@@ -13,14 +13,14 @@ import importlib.util
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import SIBLING, run_mpi
 
 
 ALL = ("rules", "layouts", "training")
 
 
 @pytest.mark.parametrize("n, kernel, sub_cases", [
-    (1, "numpy", ALL), (2, "auto", ALL + ("engine-oracle",)), (3, "numpy", ALL)])
+    SIBLING(1, "numpy", ALL), (2, "auto", ALL + ("engine-oracle",)), (3, "numpy", ALL)])
 def test_n_ranks_equal_one_process(n, kernel, sub_cases):
     out = run_mpi(n, "parity.py", *sub_cases, timeout=300,
                   env={"ZERO1_MPI_KERNEL": kernel}).stdout
