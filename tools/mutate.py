@@ -1,6 +1,6 @@
 """python tools/mutate.py MODULE [MODULE ...] --tests NODE [NODE ...] [--tests-from REV]
-                           [--deselect NODE ...] [--max N] [--seed S] [--timeout SECONDS]
-                           [--json FILE]
+                           [--deselect NODE ...] [--lines N ...] [--max N] [--seed S]
+                           [--timeout SECONDS] [--json FILE]
 
 A mutation score: small changes made one at a time to the modules named (each mutant a copy of
 the repository with one change), each run against the tests named (pytest node ids or files);
@@ -13,7 +13,8 @@ The changes (``MUTATIONS``): a comparison turned (``<`` and ``<=``, ``>`` and ``
 dropped, ``+`` and ``-`` swapped, ``*`` and ``/``... (``//``), an integer constant plus one,
 ``True`` and ``False`` swapped, a ``raise`` made ``pass``, a ``return`` made ``return None``.
 Docstrings and ``__all__`` are left alone. ``--max`` draws that many mutants of each module
-(seeded) where it has more. ``--tests-from REV`` runs the tests of an older commit (its
+(seeded) where it has more; ``--lines`` keeps the mutants of those lines only (to check that a new
+test kills a survivor). ``--tests-from REV`` runs the tests of an older commit (its
 ``tests/``) against the same mutants: the score before a change to the tests.
 
 The unmutated copy must pass the tests first (else nothing is measured). Each mutant costs a
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
     parser.add_argument("--deselect", nargs="+", default=[], metavar="NODE",
                         help="tests left out (one the unmutated copy fails: a behaviour changed "
                         "since --tests-from)")
+    parser.add_argument("--lines", nargs="+", type=int, default=[], metavar="N")
     parser.add_argument("--max", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600)
@@ -196,7 +198,7 @@ def main(argv=None) -> int:
             return 2
         results = []
         for path in args.modules:
-            every = mutants_of(path)
+            every = [m for m in mutants_of(path) if not args.lines or m.line in args.lines]
             chosen = every if not args.max or len(every) <= args.max else sorted(
                 random.Random(args.seed).sample(every, args.max), key=lambda m: m.line)
             original = (copy / path).read_text()

@@ -84,7 +84,11 @@ def configure(params, comm, rule, defaults: dict, given: dict) -> Setup:
 def _check_layouts_agree(comm: Communicator, layout) -> None:
     """Raise on every rank, naming the first difference, unless all ranks built one layout."""
     try:
-        comm.check_same(layout.fingerprint, "the parameter layout", "")
+        comm.check_same(
+            layout.fingerprint,
+            "the parameter layout",
+            "every rank must pass the same tensors in the same param groups, in the same order",
+        )
     except CollectiveError:
         described = comm.allgather_objects(
             ([(t.name, t.shape) for t in layout.tensors], ("param_dtype", layout.dtype))

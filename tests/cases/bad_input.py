@@ -35,6 +35,10 @@ def good():
     return {"w": np.ones((3, 4), np.float32), "b": np.zeros(4, np.float32)}
 
 
+def extra():
+    return {**good(), "x": np.ones(2, np.float32)}
+
+
 def with_nonfinite():
     params = good()
     params["w"][1, 2] = np.nan
@@ -82,9 +86,19 @@ CONSTRUCTION = [
     ("different names on the last rank",
      lambda: ZeroAdam(on_last({"w": np.ones((3, 4), np.float32), "c": np.zeros(4, np.float32)},
                               good())), differs(), ["'c'", "'b'"]),
-    ("extra tensor on the last rank",
-     lambda: ZeroAdam(on_last({**good(), "x": np.ones(2, np.float32)}, good())), differs(),
-     ["2 tensors", "3 tensors"]),
+    ("different shape on rank 0 (the others alike)",
+     lambda: ZeroAdam({**extra(), "w": np.ones((4, 3) if rank == 0 else (3, 4), np.float32)}),
+     differs(),
+     ["rank 0 has ('w', (4, 3)), rank 1 has ('w', (3, 4))"]),
+    ("extra tensor on the last rank",  # 3 and 4 tensors: counts unlike the 2 of a name-shape pair
+     lambda: ZeroAdam(on_last({**extra(), "y": np.ones(2, np.float32)}, extra())), differs(),
+     ["3 tensors", "4 tensors"]),
+    ("tensors grouped differently on the last rank (the groups' options alike)",
+     lambda: ZeroAdam(on_last([{"params": {"w": extra()["w"]}},
+                               {"params": {"b": extra()["b"], "x": extra()["x"]}}],
+                              [{"params": {"w": extra()["w"], "b": extra()["b"]}},
+                               {"params": {"x": extra()["x"]}}])), differs(),
+     ["the parameter layout differs", "the same tensors in the same param groups"]),
     ("different param_dtype on the last rank",
      lambda: ZeroAdam(good(), param_dtype=on_last("float16", "float32")), differs(),
      ["param_dtype"]),
