@@ -35,7 +35,8 @@ def test_without_an_mpi_library_what_needs_none_works():
 import pkgutil, sys, zero1_mpi
 from zero1_mpi.memory_tool import main
 for module in pkgutil.walk_packages(zero1_mpi.__path__, "zero1_mpi."):
-    if module.name not in ("zero1_mpi.torch", "zero1_mpi.memory.__main__"):
+    if module.name not in ("zero1_mpi.torch", "zero1_mpi.transformers",
+                           "zero1_mpi.memory.__main__"):  # the bindings need their framework
         __import__(module.name)
 assert main(["--params", "7B", "--ranks", "8"]) == 0
 import runpy
