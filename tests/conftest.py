@@ -2,8 +2,9 @@
 
 A test marked ``mpi_independent`` cannot depend on which MPI runs it: one process, an
 example's numerics that the multi-rank cases already check under every MPI, or a world size
-whose MPI calls a sibling parametrization makes (``mpirun.SIBLING``). CI runs the suite once per
-MPI and these in its first pass only: ``ZERO1_SKIP_MPI_INDEPENDENT=1`` skips them.
+(moment, phase) whose MPI calls a sibling parametrization makes (``mpirun.SIBLING``). CI runs
+the suite once per MPI and these in its first pass only: ``ZERO1_SKIP_MPI_INDEPENDENT=1``
+skips them.
 """
 
 import os

@@ -22,8 +22,9 @@ ROOT = Path(__file__).parent.parent
 
 
 def SIBLING(*values):  # noqa: N802 - reads as a parametrization's values
-    """A parametrization whose MPI calls a sibling also makes (another world size of the same
-    case): marked ``mpi_independent``, so CI runs it in the first MPI's pass only."""
+    """A parametrization whose MPI calls a sibling left in every pass also makes (another world
+    size, moment or phase of the same case): marked ``mpi_independent``, so CI runs it in the
+    first MPI's pass only."""
     return pytest.param(*values, marks=pytest.mark.mpi_independent)
 
 

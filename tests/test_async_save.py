@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from mpirun import ROOT, run_mpi
+from mpirun import ROOT, SIBLING, run_mpi
 
 
-@pytest.mark.parametrize("n, group", [(3, None), (4, 2)])
+@pytest.mark.parametrize("n, group", [SIBLING(3, None), (4, 2)])
 def test_non_blocking_saves(tmp_path, n, group):
     args = [str(tmp_path)] + ([] if group is None else [str(group)])
     out = run_mpi(n, "async_save.py", *args, timeout=240).stdout

@@ -7,13 +7,14 @@ import shutil
 import pytest
 
 from casekit import shard_arrays, state_rows
-from mpirun import run_mpi
+from mpirun import SIBLING, run_mpi
 from zero1_mpi.checkpoint import MANIFEST, MANIFEST_DIGEST, plan_reads
 from zero1_mpi.rules.registry import builtin_rules
 
 MANIFEST_FILES = (MANIFEST, MANIFEST_DIGEST)
 
 
+@pytest.mark.mpi_independent  # the loads at another N: cases/exits.py's, in every MPI's pass
 def test_every_rules_checkpoints_load_on_other_world_sizes(tmp_path):
     """Saved on 1 and 4 ranks, loaded on 1 and 3: the same size (bitwise training on), fewer
     ranks (4 -> 1, 4 -> 3: uneven) and more (1 -> 3); each rule's variants, fp32 and bf16,
@@ -59,8 +60,8 @@ def prepared(tmp_path_factory):
     return where
 
 
-@pytest.mark.parametrize("moment", ["mid-shard", "background", "before-rename",
-                                    "before-latest"])
+@pytest.mark.parametrize("moment", ["mid-shard", "background", SIBLING("before-rename"),
+                                    SIBLING("before-latest")])
 def test_a_job_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, prepared, moment):
     n = 3
     tmp_path = tmp_path / "job"

@@ -297,6 +297,7 @@ def test_threads_default_to_the_cores_the_rank_may_use(monkeypatch):
             resolve_threads(bad, 1)
 
 
+@pytest.mark.mpi_independent  # the tool's report; the MPI calls: test_offloaded_equals_not_offloaded's
 @pytest.mark.parametrize("rule", ["adam", "sgd"])
 def test_offload_bench_tool_reports_every_setting(tmp_path, rule):
     """`tools/bench.py offload` on NumPy parameters (the device script runs it on a GPU): the
