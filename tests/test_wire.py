@@ -167,3 +167,20 @@ def test_the_numba_twin_in_the_engine():
     out = run_mpi(2, "wire.py", "reduce", timeout=300,
                   env={"ZERO1_MPI_KERNEL": "numba"}).stdout
     assert "OK 8-bit wire on 2 ranks: reduce" in out, out
+
+
+@pytest.mark.mpi_independent
+def test_the_numpy_codec_holds_one_chunk_of_scratch_whatever_the_row():
+    """The NumPy twin works ``NUMPY_CHUNK`` values at a time: two fp32 chunks of scratch for a
+    longer row (a shorter one: its own size, in whole blocks), and the same bytes as one
+    call over a whole row (tools/mutate.py found no test of the bound)."""
+    n = 2 * wire.NUMPY_CHUNK + 3 * wire.BLOCK + 5
+    chunked, whole = wire.NumpyCodec(n), wire.NumpyCodec(wire.BLOCK + 1)
+    assert chunked.scratch_bytes == 2 * 4 * wire.NUMPY_CHUNK
+    assert whole.scratch_bytes == 2 * 4 * 2 * wire.BLOCK
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    packed = np.zeros(wire.packed_bytes(n), np.uint8)
+    chunked.encode(x, packed)
+    scales, q, _ = ref.int8_encode(x, np.zeros(n, np.float32))
+    got_scales, got_q = wire.split_packed(packed, n)
+    assert np.array_equal(got_scales, scales) and np.array_equal(got_q, q)
