@@ -30,6 +30,10 @@ def test_signatures_and_help_come_from_the_declaration(cls):
     assert options.docstring_section() in cls.__doc__
     for option in options.OPTIONS:
         assert f"{option.name}:" in cls.__doc__
+    section = options.docstring_section().splitlines()[1:]  # each option a hanging paragraph
+    assert max(map(len, section)) <= 92  # the project's 96 columns, less the class's indent
+    assert all(line.startswith(" " * 8) and not line.startswith(" " * 9) or
+               line.startswith(" " * 12) and not line.startswith(" " * 13) for line in section)
 
 
 def test_the_api_page_lists_the_declared_options():
