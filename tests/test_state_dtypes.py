@@ -165,13 +165,15 @@ def test_8bit_state_reads_and_writes_any_range(kind):
 
 @pytest.mark.mpi_independent
 def test_8bit_state_twins_agree():
-    sizes = [70_000, 5, 9_000]
+    """Stored last segment first (a call owns its blocks, in any order), whole blocks and a
+    block of one value last."""
+    sizes = [70_000, 5, 32 * 256, 9_000, 32 * 256 + 1]
     n = sum(sizes)
     x = state_values(n, seed=5)
     held = []
     for kind in KINDS:
         kept = Int8State(n, segments_of(sizes), 70_000, np, kind)
-        for start, stop, _ in segments_of(sizes):
+        for start, stop, _ in reversed(segments_of(sizes)):
             kept.store(slice(start, stop), x[start:stop].copy(), start, 1)
         held.append((kept.held.copy(), kept.scales.copy(), kept.read(slice(0, n))))
     for a, b in zip(*held):
