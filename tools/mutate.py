@@ -134,8 +134,8 @@ def _walk_ordered(tree):
     return order
 
 
-def mutants_of(path: str) -> list[Mutant]:
-    tree = ast.parse((ROOT / path).read_text())
+def mutants_of(path: str, root: Path = ROOT) -> list[Mutant]:
+    tree = ast.parse((root / path).read_text())
     skip, found = _skipped(tree), []
     for index, node in enumerate(_walk_ordered(tree)):
         if id(node) in skip:
@@ -145,8 +145,8 @@ def mutants_of(path: str) -> list[Mutant]:
     return found
 
 
-def mutated_source(m: Mutant) -> str:
-    tree = _Apply(m.index, m.change).visit(ast.parse((ROOT / m.path).read_text()))
+def mutated_source(m: Mutant, source: str) -> str:
+    tree = _Apply(m.index, m.change).visit(ast.parse(source))
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
@@ -198,13 +198,14 @@ def main(argv=None) -> int:
             return 2
         results = []
         for path in args.modules:
-            every = [m for m in mutants_of(path) if not args.lines or m.line in args.lines]
+            # (from the copy: the repository may be edited while this runs)
+            every = [m for m in mutants_of(path, copy) if not args.lines or m.line in args.lines]
             chosen = every if not args.max or len(every) <= args.max else sorted(
                 random.Random(args.seed).sample(every, args.max), key=lambda m: m.line)
             original = (copy / path).read_text()
             for m in chosen:
                 start = time.monotonic()
-                (copy / path).write_text(mutated_source(m))
+                (copy / path).write_text(mutated_source(m, original))
                 m.outcome = run_tests(copy, args.tests, args.timeout, args.deselect)
                 m.seconds = round(time.monotonic() - start, 1)
                 (copy / path).write_text(original)

@@ -89,7 +89,6 @@ class SplitRow:
         self.device, self.host, self.cut, self.host_real = device, host, cut, host_real
         # (a side that keeps nothing has no chunk: it takes no call)
         self.chunk = min((side.chunk for side in (device, host) if side.chunk), default=1 << 62)
-        self.scratch_bytes = device.scratch_bytes + host.scratch_bytes
 
     @property
     def kind(self) -> str:
