@@ -302,9 +302,9 @@ def _state_chunks(state, by_row: bool = True):
         for start in range(lo, hi, CHUNK)
     ]
     if by_row:
-        for row in range(len(state.rows)):
+        for row in state.rows:
             for start, stop, first in pieces:
-                yield to_numpy(row_views(state, start, stop, first, state.rows[row : row + 1])[0])
+                yield to_numpy(row_views(state, start, stop, first, [row])[0])
     else:
         for start, stop, first in pieces:
             yield [to_numpy(view) for view in row_views(state, start, stop, first)]
@@ -417,15 +417,14 @@ def _prune(root: Path, latest: str, keep: int | None) -> None:
 _OWN = re.compile(r"^(shard-\d{5,}\.npy|manifest\.json|manifest\.sha256)\Z")
 
 
-def _remove_tree(path: Path) -> bool:
+def _remove_tree(path: Path) -> None:
     """Remove the directory ``path`` if it is a save's: a directory (not a link to one) that
     holds only regular files of the names a save writes. Anything else in it (another file, a
-    link, a directory) leaves it whole; nothing is followed. Returns whether it is gone; never
-    raises."""
+    link, a directory) leaves it whole; nothing is followed. Never raises."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:  # gone, not a directory, or a link
-        return False
+        return
     try:
         with os.scandir(fd) as entries:
             found = [
@@ -433,15 +432,14 @@ def _remove_tree(path: Path) -> bool:
             ]
         names = [name for name, own in found if own]
         if len(names) < len(found):  # something that is not a save's: none of it is touched
-            return False
+            return
         for name in names:
             os.unlink(name, dir_fd=fd)
         os.rmdir(path)  # fails on anything that appeared meanwhile, and on a link
     except OSError:
-        return False
+        return
     finally:
         os.close(fd)
-    return True
 
 
 def _unlink(file: Path) -> None:
