@@ -164,6 +164,8 @@ def rewrite(root: Path, change, rename: str | None = None) -> Path:
     (lambda m: m.pop("max_grad_norm"), ["lacks ['max_grad_norm']"]),
     (lambda m: m["files"][0].update(note=1), ["exactly the keys"]),
     (lambda m: m["files"][0].pop("sha256"), ["exactly the keys"]),
+    (lambda m: m["loss_scaler"].update(margin=2), ["LossScaler", "'margin'"]),
+    (lambda m: m.update(param_groups=[]), ["param group"]),
     (lambda m: None, None),  # unchanged but rewritten: it loads
 ])
 def test_consistent_rewrites_with_unknown_or_missing_keys_are_refused(saved, fresh, tmp_path,
