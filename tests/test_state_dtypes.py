@@ -1,4 +1,4 @@
-"""The rule's state in bf16 and in 8 bits (``state_dtype``, ``zero1_mpi.state_dtypes``).
+"""The rule's state in bf16 and in 8 bits (``state_dtype``, ``zero1_mpi.state.encodings``).
 
 In one process: the NumPy and Numba twins round stochastically bit for bit as the integer model
 ``reference.sr_bf16`` (every magnitude, inf, nan, any start), the rounding is unbiased, and the
@@ -161,6 +161,36 @@ def test_8bit_state_reads_and_writes_any_range(kind):
     for bad in (slice(1, 300), slice(900, 1100)):  # not a kernel call's range
         with pytest.raises(AssertionError, match="not a kernel call's range"):
             kept.load(bad, 0)
+
+
+@pytest.mark.mpi_independent
+@pytest.mark.parametrize("kind", KINDS)
+def test_8bit_state_writes_what_it_decoded_bit_for_bit(kind):
+    """What a checkpoint holds (the decoded state) loads back to the same decoded values: also
+    in a block whose largest magnitude is negative (the signed map has no -1, so a plain encode
+    of its decoded values takes a new scale) and in a signed block whose negative values all
+    decode to 0; values no encoding holds are encoded as a step stores them."""
+    rng = np.random.default_rng(11)
+    n = 9 * 256 + 100  # a partial last block
+    x = (rng.standard_normal(n) * rng.choice([1e-6, 1e-3, 1.0], n)).astype(np.float32)
+    x[:256] = -np.abs(x[:256])
+    x[7] = -3 * np.abs(x[:256]).max()  # the largest magnitude negative
+    x[256:512] = np.abs(x[256:512])
+    x[300] = -1e-12  # the only negative value, decoding to 0
+    x[512:768] = rng.uniform(-1, 1, 256).astype(np.float32)
+    x[600] = np.float32(-2.0)
+    x[768:1024] = 0
+    x[1100] = np.nan
+    kept = Int8State(n, [(0, n, True)], n, np, kind)
+    kept.store(slice(0, n), x.copy(), 0, 1)
+    decoded = kept.read(slice(0, n))
+    loaded = Int8State(n, [(0, n, True)], n, np, kind)
+    loaded.write(slice(0, n), decoded)
+    assert np.array_equal(loaded.read(slice(0, n)).view(np.uint32), decoded.view(np.uint32))
+    plain = Int8State(n, [(0, n, True)], n, np, kind)
+    plain.write(slice(0, n), x)
+    assert np.array_equal(plain.held, kept.held)
+    assert np.array_equal(plain.scales, kept.scales, equal_nan=True)
 
 
 @pytest.mark.mpi_independent

@@ -352,14 +352,22 @@ class Int8State:
 
     def write(self, st: slice, values) -> None:
         """Set the values over ``st``; a block it covers in part is decoded, changed and
-        encoded again (its other values quantized twice)."""
+        encoded again (its other values quantized twice). A block of values that some codes
+        and scale decode to gets codes and a scale that decode to them again (``exact_codes``),
+        so that a checkpoint of this state loads bit for bit."""
         values = backend.like(self.side, values).astype(FP32, copy=False)
         for i, a, b, lo, hi in self._covering(st):
             piece = self._segment_values(i, a, b)
             piece[lo - a : hi - a] = values[lo - st.start : hi - st.start]
             if self._quantized[i]:
                 first = self._offsets[i] + (a - int(self._starts[i])) // STATE_BLOCK
-                self._encode(piece, self.held[a:b], self.scales[first : first + _blocks(b - a)])
+                codes, scales = self.held[a:b], self.scales[first : first + _blocks(b - a)]
+                self._encode(piece, codes, scales)
+                if self._kind == "cupy":
+                    found = exact_codes(*(backend.to_numpy(x) for x in (piece, codes, scales)))
+                    codes[...], scales[...] = (self._xp.asarray(x) for x in found)
+                else:
+                    exact_codes(piece, codes, scales)
             else:
                 at = self._offsets[i] + a - int(self._starts[i])
                 self.side[at : at + b - a] = piece
@@ -447,6 +455,59 @@ class Int8State:
 
 def _blocks(n: int) -> int:
     return -(-n // STATE_BLOCK)
+
+
+def exact_codes(values, codes, scales):
+    """Make the NumPy ``codes`` and ``scales`` that ``values`` were encoded to decode to
+    ``values`` bit for bit wherever some codes and scale of the signed map do, and return them.
+
+    Encoding is not idempotent for two kinds of block of the signed map: one whose largest
+    magnitude was negative (the map ends at 1 but not at -1, so that value decodes to -0.993 of
+    the scale, and the decoded block's own largest magnitude is a new scale), and one whose
+    negative values all decoded to 0 (its decoded values look unsigned). For each block that
+    does not decode to itself, the signed map is tried with the scales that could have made its
+    extreme value: its largest value (code 1), and its smallest over the map's most negative
+    code, to within 2 fp32 steps; the first that decodes to the block whole is kept, else the
+    block keeps its plain encoding (fp32 values that no encoding holds: quantized once)."""
+    n = values.size
+    padded = _blocks(n) * STATE_BLOCK
+    flat = np.zeros(padded, FP32)
+    flat[:n] = values
+    scale = np.repeat(scales, STATE_BLOCK)[:n]
+    back = np.zeros(padded, FP32)
+    back[:n] = np.where(np.signbit(scale), CODES[True][codes], CODES[False][codes])
+    back[:n] *= np.abs(scale)
+    v, decoded = flat.reshape(-1, STATE_BLOCK), back.reshape(-1, STATE_BLOCK)
+    bits = v.view(np.uint32)
+    wrong = np.flatnonzero(
+        np.isfinite(v).all(axis=1) & (decoded.view(np.uint32) != bits).any(axis=1)
+    )
+    if wrong.size == 0:
+        return codes, scales
+    signed, bounds = CODES[True], BOUNDS[True]
+    largest = v[wrong].max(axis=1)
+    from_min = (-v[wrong].min(axis=1) / -signed[0]).astype(FP32)
+    down, up = [from_min], [from_min]
+    for _ in range(2):
+        down.append(np.nextafter(down[-1], np.float32(0)))
+        up.append(np.nextafter(up[-1], np.float32(np.inf)))
+    candidates = [largest, from_min, down[1], up[1], down[2], up[2]]
+    all_codes = np.zeros(padded, np.uint8)
+    all_codes[:n] = codes
+    codes2d = all_codes.reshape(-1, STATE_BLOCK)
+    done = np.zeros(wrong.size, bool)
+    for s in candidates:
+        s = s.astype(FP32)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            x = v[wrong] / s[:, None]
+        trial = np.searchsorted(bounds, np.nan_to_num(x), "left").astype(np.uint8)
+        back = signed[trial] * s[:, None]
+        fits = ~done & (s > 0) & (back.view(np.uint32) == bits[wrong]).all(axis=1)
+        codes2d[wrong[fits]] = trial[fits]
+        scales[wrong[fits]] = -s[fits]
+        done |= fits
+    codes[...] = all_codes[:n]
+    return codes, scales
 
 
 @jit

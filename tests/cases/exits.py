@@ -38,7 +38,7 @@ parser.add_argument("directory", type=Path)
 parser.add_argument("--all", action="store_true")
 ARGS = parser.parse_args()
 
-SHAPES = {"w": (48, 40), "v": (300,), "s": ()}  # some fewer than 4096: fp32 in 8-bit state
+SHAPES = {"w": (64, 72), "v": (300,), "s": ()}  # w quantized in 8-bit state, v and s in fp32
 STEPS = 3
 FACTORS = {
     "rule": [name for name in kit.registry()],
