@@ -88,7 +88,7 @@ if ntasks and ntasks.isdigit() and int(ntasks) != size:
 if args.backend == "cupy":
     import cupy as xp
 
-    from zero1_mpi.backend import use_device
+    from zero1_mpi.kernels.backend import use_device
     # A GPU per rank by node-local rank (round-robin where ranks outnumber GPUs), before
     # anything touches a device.
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from reference import (ReferenceAdam, ReferenceLAMB, ReferenceLion, ReferenceSGD,
                        ReferenceSignMomentum, close_to_reference, max_ulp_diff)
-from zero1_mpi.backend import like, resolve_dtype, to_numpy, xp_for
+from zero1_mpi.kernels.backend import like, resolve_dtype, to_numpy, xp_for
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()

@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WARM_UP = """
 import numpy as np
-from zero1_mpi.backend import PARAM_DTYPES
-from zero1_mpi.reductions import NumbaReductions
+from zero1_mpi.kernels.backend import PARAM_DTYPES
+from zero1_mpi.kernels.local_sums import NumbaReductions
 from zero1_mpi.rules.registry import builtin_rules
 from zero1_mpi.wire import NumbaCodec, packed_bytes
 reductions, codec = NumbaReductions(), NumbaCodec(64)

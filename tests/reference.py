@@ -279,7 +279,7 @@ def remainder_encode(master, param):
 
 
 def _lowbias32(x):
-    """The 32-bit hash of ``zero1_mpi.state_dtypes`` on exact integers (int64 arrays)."""
+    """The 32-bit hash of ``zero1_mpi.state.encodings`` on exact integers (int64 arrays)."""
     m = (1 << 32) - 1
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & m

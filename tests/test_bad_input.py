@@ -22,6 +22,6 @@ def test_every_declared_option_is_tested_from_its_declaration():
     """tests/cases/declared_options.py on 4 ranks: each option's bad values refused on every
     rank naming it, its edge values taken alike, a value needing others refused alone, and a
     value on one rank only refused by the agreement (taken, for a rank's own option)."""
-    from zero1_mpi.options import OPTIONS
+    from zero1_mpi.config.options import OPTIONS
     out = run_mpi(4, "declared_options.py", timeout=300).stdout
     assert f"OK declared options on 4 ranks: {len(OPTIONS)} options, " in out, out

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from zero1_mpi import ShardedOptimizer
-from zero1_mpi.binding import CORE_INTERFACE, PassThrough
+from zero1_mpi.bindings.common import CORE_INTERFACE, PassThrough
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 

@@ -11,10 +11,10 @@ from mpi4py import MPI
 
 from mpirun import run_mpi
 from zero1_mpi import Communicator, build_layout
-from zero1_mpi.buckets import BucketPipeline
-from zero1_mpi.gathers import ParamGathers
-from zero1_mpi.topology import Topology
-from zero1_mpi.watchdog import Watchdog
+from zero1_mpi.gradients.stage1 import BucketPipeline
+from zero1_mpi.wire.param_gathers import ParamGathers
+from zero1_mpi.comm.topology import Topology
+from zero1_mpi.comm.watchdog import Watchdog
 
 one_process = pytest.mark.mpi_independent  # (conftest.py)
 

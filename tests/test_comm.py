@@ -5,9 +5,8 @@ import pytest
 from mpi4py import MPI
 
 from mpirun import run_mpi
-from zero1_mpi import comm as comm_module
-from zero1_mpi.comm import (CUDA_AWARE_ENV, DEVICE_STARTED_ENV, Communicator, mpi_library,
-                            query_cuda_support, resolve_cuda_aware, resolve_device_started)
+from zero1_mpi.comm import communicator as comm_module
+from zero1_mpi.comm.communicator import CUDA_AWARE_ENV, DEVICE_STARTED_ENV, Communicator, mpi_library, query_cuda_support, resolve_cuda_aware, resolve_device_started
 
 MPICH = ("MPICH", (5, 0, 2))
 INTEL = ("Intel MPI", (2021, 18))
@@ -95,7 +94,7 @@ def test_nccl_communicator_needs_cupy_and_says_so():
         pass
     else:
         pytest.skip("CuPy with NCCL is installed: tests/test_gpu.py covers NcclCommunicator")
-    from zero1_mpi.nccl import NcclCommunicator
+    from zero1_mpi.comm.nccl import NcclCommunicator
     with pytest.raises(ImportError, match="NcclCommunicator needs CuPy built with NCCL"):
         NcclCommunicator(MPI.COMM_SELF)
 
@@ -118,7 +117,7 @@ def test_started_collectives_take_device_buffers_only_when_told_or_proven(monkey
 
 def test_two_ranks_on_one_gpu_is_named_before_nccl_starts():
     """NcclCommunicator raises this on every rank (each computes it from the same list)."""
-    from zero1_mpi.nccl import shared_gpu_error
+    from zero1_mpi.comm.nccl import shared_gpu_error
     assert shared_gpu_error([("a", "0000:01:00.0"), ("a", "0000:02:00.0"),
                              ("b", "0000:01:00.0")]) is None
     error = shared_gpu_error([("a", "0000:01:00.0"), ("a", "0000:02:00.0"),

@@ -19,7 +19,7 @@ from casekit import host_kernel_scratch, shard_arrays
 from mpirun import run_mpi
 from reference import max_rel_err, max_ulp_diff
 from zero1_mpi import Communicator, ZeroAdamW
-from zero1_mpi.backend import PARAM_DTYPES
+from zero1_mpi.kernels.backend import PARAM_DTYPES
 from zero1_mpi.rules.adam import AdamScalars, CupyAdam, NumpyAdam
 
 
@@ -294,9 +294,9 @@ def test_gradient_sharding_on_cupy_arrays(tmp_path, n):
 def test_cupy_state_codecs_equal_their_numpy_twins(codec):
     """The remainder masters, the bf16 state's stochastic rounding and the 8-bit state on the
     GPU: the same bits as the NumPy twins (integer operations, and fp32 ones rounded once)."""
-    from zero1_mpi.backend import BFLOAT16
-    from zero1_mpi.masters import RemainderMasters
-    from zero1_mpi.state_dtypes import Bf16State, Int8State
+    from zero1_mpi.kernels.backend import BFLOAT16
+    from zero1_mpi.state.masters import RemainderMasters
+    from zero1_mpi.state.encodings import Bf16State, Int8State
     n = 300_000
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 1e3], n)).astype(np.float32)
@@ -353,7 +353,7 @@ def wire_codec_results(xp, kind: str, dtype, feedback: bool) -> list:
     """The 8-bit wire codec of ``kind`` on arrays of ``xp``: three rows packed (with residuals
     where ``feedback``), their sum decoded, the last decoded onto the first; a row that ends
     inside a block, a block of zeros (scale 0)."""
-    from zero1_mpi import wire
+    from zero1_mpi.wire import codec as wire
     n = 3 * 100_000 + 77
     rows = [(np.random.default_rng(i).standard_normal(n) * scale).astype(dtype)
             for i, scale in enumerate((1e-3, 1.0, 30.0))]

@@ -99,7 +99,7 @@ def test_a_typo_in_a_reduction_fails_in_each_kernel_that_holds_it():
 def test_a_missing_cuda_header_names_the_extra():
     """NVRTC's own message for a missing header (as it prints it with no include path)
     becomes an ImportError naming the extra; other compile errors pass through unchanged."""
-    from zero1_mpi.backend import ExplainedKernel, missing_header_error
+    from zero1_mpi.kernels.backend import ExplainedKernel, missing_header_error
     log = ('k.cu(1): catastrophic error: could not open source file "cuda_fp16.h" (no '
            'directories in search list)\n  #include <cuda_fp16.h>')
     error = missing_header_error(RuntimeError(log))

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from mpirun import SIBLING, run_mpi
 from zero1_mpi import Communicator
-from zero1_mpi.topology import resolve_shard_group_size
+from zero1_mpi.comm.topology import resolve_shard_group_size
 
 
 @pytest.mark.parametrize("n, k, m", [(4, 2, 3), SIBLING(6, 3, 4)])

@@ -33,7 +33,7 @@ def test_import_starts_no_mpi():
 def test_without_an_mpi_library_what_needs_none_works():
     code = """
 import pkgutil, sys, zero1_mpi
-from zero1_mpi.memory_tool import main
+from zero1_mpi.cli.memory import main
 for module in pkgutil.walk_packages(zero1_mpi.__path__, "zero1_mpi."):
     if module.name not in ("zero1_mpi.torch", "zero1_mpi.transformers",
                            "zero1_mpi.memory.__main__"):  # the bindings need their framework

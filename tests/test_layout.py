@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from zero1_mpi.layout import build_layout
+from zero1_mpi.flat.layout import build_layout
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 

@@ -1,4 +1,4 @@
-"""Remainder masters (``zero1_mpi.masters``, ``masters="remainder"``, bf16's default).
+"""Remainder masters (``zero1_mpi.state.masters``, ``masters="remainder"``, bf16's default).
 
 In one process: the NumPy and Numba twins keep every fp32 value with its bf16 rounding bit for
 bit, ties included, equal to the integer model of ``reference.remainder_encode``; a tie is
@@ -14,8 +14,8 @@ import pytest
 import reference as ref
 from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdamW
-from zero1_mpi.backend import BFLOAT16
-from zero1_mpi.masters import TIE, RemainderMasters
+from zero1_mpi.kernels.backend import BFLOAT16
+from zero1_mpi.state.masters import TIE, RemainderMasters
 
 KINDS = ["numpy", "numba"]
 

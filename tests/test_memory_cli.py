@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zero1_mpi.memory import MemoryReport
-from zero1_mpi.memory_tool import main
+from zero1_mpi.cli.memory import main
 from zero1_mpi.rules.registry import rule_states
 
 from test_memory import SEED_TABLE  # the reference chapter's Out[7]

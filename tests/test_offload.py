@@ -1,4 +1,4 @@
-"""offload='cpu': the master weights and the rule's state on the host (``zero1_mpi.offload``),
+"""offload='cpu': the master weights and the rule's state on the host (``zero1_mpi.state.host``),
 all of them or the share ``offload_fraction``.
 
 On 3 ranks and with hierarchical sharding the offloaded optimizer (whole and half) equals the
@@ -23,20 +23,12 @@ import pytest
 from casekit import run_twin
 from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdam
-from zero1_mpi.backend import PARAM_DTYPES
-from zero1_mpi.layout import build_layout
-from zero1_mpi.state import Part
-from zero1_mpi.masters import Fp32Masters
-from zero1_mpi.offload import (
-    HostShard,
-    ParamMasters,
-    SplitRow,
-    ThreadedKernel,
-    each_tensor_sums,
-    host_start,
-    resolve_threads,
-)
-from zero1_mpi.state_dtypes import Fp32State
+from zero1_mpi.kernels.backend import PARAM_DTYPES
+from zero1_mpi.flat.layout import build_layout
+from zero1_mpi.state.sharded import Part
+from zero1_mpi.state.masters import Fp32Masters
+from zero1_mpi.state.host import HostShard, ParamMasters, SplitRow, ThreadedKernel, each_tensor_sums, host_start, resolve_threads
+from zero1_mpi.state.encodings import Fp32State
 from zero1_mpi.rules.registry import builtin_rules
 
 
@@ -338,7 +330,7 @@ def test_importing_the_package_starts_no_thread_pool_machinery():
     shutdown hook made a JAX process abort at exit now and then (tests/test_example_jax_mlp.py)."""
     import subprocess
     import sys
-    code = ("import sys, zero1_mpi, zero1_mpi.offload; "
+    code = ("import sys, zero1_mpi, zero1_mpi.state.host; "
             "print(sorted(m for m in sys.modules if m.startswith('concurrent')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

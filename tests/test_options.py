@@ -1,4 +1,4 @@
-"""The engine options are declared once (``zero1_mpi.options.OPTIONS``): every optimizer's
+"""The engine options are declared once (``zero1_mpi.config.options.OPTIONS``): every optimizer's
 signature, its ``help()`` text, the list in docs/api.md and the values the ranks compare come
 from that declaration; the checked values are the optimizer's attributes; ``repr(opt)`` says
 the rule, the param groups' options, N, the shard groups, the stage, the dtypes and offload."""
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from zero1_mpi import Communicator, ShardedOptimizer, ZeroAdamW, ZeroSGD, options
+from zero1_mpi import Communicator, ShardedOptimizer, ZeroAdamW, ZeroSGD
+from zero1_mpi.config import options
 from zero1_mpi.rules.registry import builtin_rules
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from zero1_mpi import decay_groups
-from zero1_mpi.params import normalize_groups
+from zero1_mpi.flat.inputs import normalize_groups
 from zero1_mpi.rules.adam import Adam
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)

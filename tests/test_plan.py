@@ -17,8 +17,8 @@ import pytest
 
 from mpirun import run_mpi
 
-from zero1_mpi import plan as model
-from zero1_mpi.plan import main, packed_bytes, parse_rate, parse_seconds, plan
+from zero1_mpi.cli import plan as model
+from zero1_mpi.cli.plan import main, packed_bytes, parse_rate, parse_seconds, plan
 
 pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
@@ -171,10 +171,12 @@ def test_codec_time_and_break_even():
 
 
 def test_packed_bytes_is_the_wires():
-    wire = pytest.importorskip("zero1_mpi.wire")
-    for n in (0, 1, 3, 4, 255, 256, 257, 1000, 12_500_000, 6_250_001):
-        assert packed_bytes(n) == wire.packed_bytes(n), n
-    assert model.BLOCK == wire.BLOCK
+    """The planner counts with the codec's own sizes (tests/cases/plan_bytes.py: with the bytes
+    a step hands to MPI)."""
+    from zero1_mpi.wire import codec
+    assert model.packed_bytes is codec.packed_bytes
+    for n, expected in ((0, 0), (1, 8), (4, 8), (5, 12), (256, 260), (257, 268)):
+        assert packed_bytes(n) == expected, n
 
 
 def test_rates_and_latencies():
@@ -211,7 +213,7 @@ def test_bad_values_name_the_value_and_the_fix(kwargs, words):
 
 
 def test_plan_imports_only_the_stdlib_and_runs_without_mpi():
-    tree = ast.parse((ROOT / "zero1_mpi" / "plan.py").read_text())
+    tree = ast.parse((ROOT / "zero1_mpi" / "cli" / "plan.py").read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree)
@@ -219,7 +221,7 @@ def test_plan_imports_only_the_stdlib_and_runs_without_mpi():
     assert imported <= set(sys.stdlib_module_names), imported
     relative = {node.module for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.level}
-    assert relative <= {"memory", "layout"}, relative
+    assert relative <= {"memory", "flat.layout", "wire.sizes"}, relative
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPI4PY_LIBMPI": "/nonexistent"}
     code = ("import sys, zero1_mpi.plan\nassert 'mpi4py.MPI' not in sys.modules\n"
             "sys.exit(zero1_mpi.plan.main(['--params', '1B', '--ranks', '8', "

@@ -19,8 +19,8 @@ from mpi4py import MPI
 from casekit import REFERENCES, rule_cases, run_twin, variant_cases
 from reference import max_rel_err, max_ulp_diff
 from zero1_mpi import ZeroLAMB
-from zero1_mpi.backend import PARAM_DTYPES, resolve_dtype
-from zero1_mpi.reductions import NUMPY_CHUNK, NumbaReductions, NumpyReductions
+from zero1_mpi.kernels.backend import PARAM_DTYPES, resolve_dtype
+from zero1_mpi.kernels.local_sums import NUMPY_CHUNK, NumbaReductions, NumpyReductions
 from zero1_mpi.rules.adam import AdamScalars
 from zero1_mpi.rules.lamb import Lamb
 from zero1_mpi.rules.registry import builtin_rules
@@ -206,9 +206,9 @@ def test_lamb_pieces_longer_than_a_chunk_follow_the_reference():
 
 @pytest.fixture
 def numba_kernels():
-    """``zero1_mpi.kernels_numba`` with its helpers compiled (skips where Numba is missing)."""
+    """``zero1_mpi.kernels.numba_shared`` with its helpers compiled (skips where Numba is missing)."""
     pytest.importorskip("numba", reason="Numba does not import")
-    from zero1_mpi import kernels_numba
+    from zero1_mpi.kernels import numba_shared as kernels_numba
     kernels_numba.compile_marked({})
     return kernels_numba
 
@@ -249,7 +249,7 @@ def test_numba_sums_of_blocks_and_squares(dtype, numba_kernels):
 
 
 def test_kernel_choice(monkeypatch):
-    from zero1_mpi.reductions import KERNEL_ENV, resolve_cpu_kernel
+    from zero1_mpi.kernels.local_sums import KERNEL_ENV, resolve_cpu_kernel
     assert resolve_cpu_kernel({KERNEL_ENV: "numpy"}) == "numpy"
     with pytest.raises(ValueError, match=f"{KERNEL_ENV}='fast'"):
         resolve_cpu_kernel({KERNEL_ENV: "fast"})
@@ -260,6 +260,6 @@ def test_kernel_choice(monkeypatch):
 
 
 def test_kernel_choice_with_numba(numba_kernels):
-    from zero1_mpi.reductions import KERNEL_ENV, resolve_cpu_kernel
+    from zero1_mpi.kernels.local_sums import KERNEL_ENV, resolve_cpu_kernel
     assert resolve_cpu_kernel({KERNEL_ENV: "numba"}) == "numba"
     assert resolve_cpu_kernel({}) == "numba"  # auto: Numba where it imports

@@ -16,7 +16,7 @@ import pytest
 import reference as ref
 from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdamW
-from zero1_mpi.state_dtypes import BOUNDS, CODES, Bf16State, Int8State
+from zero1_mpi.state.encodings import BOUNDS, CODES, Bf16State, Int8State
 
 KINDS = ["numpy", "numba"]
 

@@ -17,14 +17,14 @@ import pytest
 from mpirun import run_mpi
 
 import zero1_mpi
-from zero1_mpi.options import OPTIONS
+from zero1_mpi.config.options import OPTIONS
 from zero1_mpi.rules.registry import NAMES
 
 
 def needs_framework(name):
     """zero1_mpi.torch imports torch, zero1_mpi.transformers transformers too, which only their
     users install: skip them without."""
-    if name in ("zero1_mpi.torch", "zero1_mpi.torch_compat", "zero1_mpi.transformers"):
+    if name in ("zero1_mpi.torch", "zero1_mpi.bindings.torch_compat", "zero1_mpi.transformers"):
         pytest.importorskip("torch")
     if name == "zero1_mpi.transformers":
         pytest.importorskip("transformers")
@@ -88,21 +88,30 @@ def test_the_package_has_no_import_loop():
 
 
 #: The package's layers, lowest first: a module imports only modules of its own layer or lower
-#: ones (a new module must be placed here). Entry points (``__main__``) sit on top.
+#: ones (a new module must be placed here). Entry points (``__main__``) sit on top. A subpackage's
+#: ``__init__`` sits with its lowest module (it is imported before any of them).
 LAYERS = (
-    ("pure: stdlib, numpy", {"layout", "memory", "scaler", "progress", "launcher", "rule",
-                             "rules.options", "watchdog", "views", "schedules", "spellings"}),
-    ("arrays and MPI", {"backend", "comm", "kernels_numba", "params", "reductions", "wire",
-                        "masters", "state_dtypes"}),
-    ("the engine's parts", {"topology", "exchange", "gathers", "buckets", "grad_shards", "gradients",
-                            "offload", "state", "step", "checkpoint", "export", "preemption",
-                            "persistence", "options", "configure", "ledger", "nccl"}),
+    ("pure: stdlib, numpy", {"flat", "flat.layout", "memory", "scaler", "progress", "launcher",
+                             "rules.protocol", "rules.options", "comm.watchdog", "flat.views",
+                             "bindings", "bindings.schedules", "bindings.optax_names", "layout",
+                             "cli", "cli.plan", "plan", "kernels", "wire", "gradients", "state",
+                             "persistence", "config", "memory.formulas", "memory.report", "wire.sizes",
+                             "rules"}),
+    ("arrays and MPI", {"kernels.backend", "comm", "comm.communicator", "kernels.numba_shared",
+                        "flat.inputs", "kernels.local_sums", "wire.codec", "state.masters",
+                        "state.encodings"}),
+    ("the engine's parts", {"comm.topology", "wire.gradient_exchange", "wire.param_gathers",
+                            "gradients.stage1", "gradients.stage2", "gradients.source",
+                            "state.host", "state.sharded", "step", "persistence.checkpoint",
+                            "persistence.consolidated", "persistence.preemption",
+                            "persistence.on_disk", "config.options", "config.configure",
+                            "memory.ledger", "comm.nccl"}),
     ("the engine", {"engine"}),
-    ("the optimizers", {"rules", "rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
+    ("the optimizers", {"rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
-    ("the package, bindings and tools", {"", "binding", "torch", "torch_compat", "jax",
-                                         "jax_params", "memory_tool", "memory.__main__",
-                                         "plan"}),
+    ("the package, bindings and tools", {"", "bindings.common", "torch", "bindings.torch_compat",
+                                         "jax", "bindings.jax_params", "cli.memory",
+                                         "memory.__main__"}),
     ("integrations of the bindings", {"transformers"}),
 )
 
@@ -177,7 +186,7 @@ def test_only_comm_imports_mpi4py():
                     if isinstance(node, ast.Import) for alias in node.names}
         imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
                      if isinstance(node, ast.ImportFrom)}
-        assert "mpi4py" not in imported or name == "zero1_mpi.comm", name
+        assert "mpi4py" not in imported or name == "zero1_mpi.comm.communicator", name
 
 
 @pytest.mark.parametrize("n", [4])
@@ -191,13 +200,27 @@ def test_only_comm_calls_mpi4py_objects(n, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_every_module_states_its_contract_and_exports(name):
+    """A module docstring that says the contract in about ten lines (a subpackage's, its table
+    of contents, in about thirty), and an ``__all__`` whose names exist (empty only in a
+    subpackage that re-exports nothing)."""
     needs_framework(name)
-    """A module docstring that says the contract in about ten lines, and an ``__all__`` whose
-    names exist."""
     module = __import__(name, fromlist=["_"])
-    assert module.__doc__ and len(module.__doc__.strip().splitlines()) <= 11, name
+    lines = 30 if module.__file__.endswith("__init__.py") else 11  # a table of contents
+    assert module.__doc__ and len(module.__doc__.strip().splitlines()) <= lines, name
     exported = getattr(module, "__all__", None)
-    assert exported and all(hasattr(module, item) for item in exported), name
+    assert exported is not None and all(hasattr(module, item) for item in exported), name
+    assert exported or module.__file__.endswith("__init__.py"), f"{name} exports nothing"
+
+
+@pytest.mark.parametrize("name", sorted(name for name, path in MODULES.items()
+                                        if path.name == "__init__.py" and name != "zero1_mpi"))
+def test_every_subpackage_docstring_is_its_table_of_contents(name):
+    """A subpackage's docstring names each of its modules (``layout.py``), so that ``ls`` and
+    the docstrings alone say where a new part goes."""
+    folder = MODULES[name].parent
+    modules = sorted(p.name for p in folder.glob("*.py") if p.name != "__init__.py")
+    doc = __import__(name, fromlist=["_"]).__doc__
+    assert not [m for m in modules if f"``{m}``" not in doc], (name, modules)
 
 
 def test_every_planted_bug_finds_its_text_once():

@@ -1,4 +1,4 @@
-"""The step watchdog (``step_timeout``, zero1_mpi/watchdog.py): a rank that stops taking part
+"""The step watchdog (``step_timeout``, zero1_mpi/comm/watchdog.py): a rank that stops taking part
 in a step ends the job within the timeout plus a few seconds, each waiting rank naming the step,
 the phase and the bucket; bad values are refused on every rank; it changes no result. (The
 network link going down: tests/test_netns.py.)"""
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mpirun import SIBLING, run_mpi
-from zero1_mpi.watchdog import Watchdog, check_step_timeout
+from zero1_mpi.comm.watchdog import Watchdog, check_step_timeout
 
 TIMEOUT = 2.5
 #: From the hang to the end of the job: the timeout, at most a quarter more (the thread wakes

@@ -17,10 +17,11 @@ from mpi4py import MPI
 
 import reference as ref
 from mpirun import run_mpi
-from zero1_mpi import Communicator, build_layout, wire
-from zero1_mpi.backend import BFLOAT16
-from zero1_mpi.gathers import QuantizedGathers
-from zero1_mpi.watchdog import Watchdog
+from zero1_mpi import Communicator, build_layout
+from zero1_mpi.wire import codec as wire
+from zero1_mpi.kernels.backend import BFLOAT16
+from zero1_mpi.wire.param_gathers import QuantizedGathers
+from zero1_mpi.comm.watchdog import Watchdog
 
 KINDS = ["numpy", "numba"]
 DTYPES = [np.float32, np.float16, BFLOAT16]

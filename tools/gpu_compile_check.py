@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from zero1_mpi import backend  # noqa: E402
+from zero1_mpi.kernels import backend  # noqa: E402
 
 EXIT_OK, EXIT_FAILED, EXIT_CANNOT_RUN = 0, 1, 2
 #: The CuPy (major, minor) whose private code generation ``Generator`` models; CI pins it.
@@ -236,12 +236,12 @@ def drive(recorder):
     remainder masters' decode and encode, the bf16 state's widening and rounding, and the 8-bit
     state's decoding, scales and quantizing.
     """
-    from zero1_mpi.masters import _cuda_kernel
-    from zero1_mpi.state_dtypes import _cuda_kernel as bf16_kernel
-    from zero1_mpi.state_dtypes import _cuda_kernel8 as int8_kernel
-    from zero1_mpi.reductions import reductions_for
+    from zero1_mpi.state.masters import _cuda_kernel
+    from zero1_mpi.state.encodings import _cuda_kernel as bf16_kernel
+    from zero1_mpi.state.encodings import _cuda_kernel8 as int8_kernel
+    from zero1_mpi.kernels.local_sums import reductions_for
     from zero1_mpi.rules.registry import builtin_rules
-    from zero1_mpi.wire import codec_for, packed_bytes
+    from zero1_mpi.wire.codec import codec_for, packed_bytes
 
     cupy = recorder.cupy
     fp32 = np.dtype(np.float32)

@@ -36,8 +36,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(ROOT))
 from zero1_mpi.memory import MemoryReport, format_param_count, format_table, stage_bytes
-from zero1_mpi.memory_tool import (DEFAULT_MOMENTUM, describe, momentum_arg,
-                                       param_count_arg, table_options)
+from zero1_mpi.cli.memory import DEFAULT_MOMENTUM, describe, momentum_arg, param_count_arg, table_options
 from zero1_mpi.rules.registry import builtin_rules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

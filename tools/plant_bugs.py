@@ -47,13 +47,13 @@ BUGS = [
     bug("offload-early-gather", "partial offload: a bucket whose shard the cut splits starts its "
         "all-gather when its device part is done, before its host part is copied back",
         ["tests/test_offload.py::test_offloaded_equals_not_offloaded[3-None]"],
-        ("zero1_mpi/state.py",
+        ("zero1_mpi/state/sharded.py",
          "        return [part.bucket.index] if part.b == part.bucket.shard_size else []",
          "        return [part.bucket.index]")),
     bug("offload-host-segments", "offload: the host part's 8-bit state quantizes the small "
         "tensors' pieces too (their segments lose the flag)",
         ["tests/test_offload.py::test_offloaded_equals_not_offloaded[3-None]"],
-        ("zero1_mpi/state.py",
+        ("zero1_mpi/state/sharded.py",
          "        host_segments = [(a - cut, b - cut, q) for a, b, q in segments if a >= cut]",
          "        host_segments = [(a - cut, b - cut, True) for a, b, q in segments if a >= cut]")),
     bug("comm-split-settings", "comm: Communicator.split drops the explicit persistent/"
@@ -61,7 +61,7 @@ BUGS = [
         ["tests/test_comm.py::test_split_keeps_the_explicit_settings",
          "tests/test_hierarchical.py::test_hierarchical_sharding_then_checkpoints_at_other_"
          "sizes[4-2-3]"],
-        ("zero1_mpi/comm.py",
+        ("zero1_mpi/comm/communicator.py",
          "                cuda_aware=self.cuda_aware,\n                persistent=self.persistent,\n"
          "                device_started=self.device_started,\n"
          "                stage_host=self.stage_host,\n",
@@ -80,7 +80,7 @@ BUGS = [
     bug("state-lamb-local-norm", "state: a two-phase rule's tensor sums (LAMB's norms) are "
         "not summed over the ranks",
         ["tests/test_parity.py::test_n_ranks_equal_one_process[3-numpy-sub_cases2]"],
-        ("zero1_mpi/state.py",
+        ("zero1_mpi/state/sharded.py",
          "            totals = self.topology.shard_comm.allreduce_sum(totals)\n", "")),
     bug("step-options-differ", "step: group options that differ between ranks are not "
         "refused",
@@ -92,52 +92,52 @@ BUGS = [
         "(stage 2) as fp32",
         ["tests/test_memory.py::test_allocations_measured_with_tracemalloc_follow_the_"
          "formula[3]"],
-        ("zero1_mpi/ledger.py",
+        ("zero1_mpi/memory/ledger.py",
          "\"gradients\": (owned if gradients.sharded else psi) * grads.dtype.itemsize,",
          "\"gradients\": owned * 4 if gradients.sharded else psi * grads.dtype.itemsize,")),
     bug("checkpoint-prune-follows-links", "checkpoint: the clean-up after a save follows "
         "links (a linked .tmp-* or archived ckpt-* loses its files)",
         ["tests/test_checkpoint_cleanup.py::test_saves_remove_only_their_own_files[links]"],
-        ("zero1_mpi/checkpoint.py", "if e.is_dir(follow_symlinks=False)]",
+        ("zero1_mpi/persistence/checkpoint.py", "if e.is_dir(follow_symlinks=False)]",
          "if e.is_dir()]"),
-        ("zero1_mpi/checkpoint.py", "os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW",
+        ("zero1_mpi/persistence/checkpoint.py", "os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW",
          "os.O_RDONLY | os.O_DIRECTORY"),
-        ("zero1_mpi/checkpoint.py", "e.is_file(follow_symlinks=False)", "e.is_file()")),
+        ("zero1_mpi/persistence/checkpoint.py", "e.is_file(follow_symlinks=False)", "e.is_file()")),
     bug("checkpoint-failed-save-stays", "checkpoint: a save that failed leaves its .tmp-* "
         "directory (and its space) behind",
         ["tests/test_checkpoint_cleanup.py::test_saves_remove_only_their_own_files[failures]",
          "tests/test_checkpoint_cleanup.py::test_after_a_full_disk_the_next_save_that_fits_"
          "succeeds"],
-        ("zero1_mpi/checkpoint.py", "            _remove_tree(tmp)\n", "            pass\n")),
+        ("zero1_mpi/persistence/checkpoint.py", "            _remove_tree(tmp)\n", "            pass\n")),
     bug("persistence-publish-while-writing", "persistence: a non-blocking save is published by "
         "the next step although a rank is still writing",
         ["tests/test_async_save.py::test_non_blocking_saves[3-None]"],
-        ("zero1_mpi/persistence.py",
+        ("zero1_mpi/persistence/on_disk.py",
          "if pending is not None and not pending.done and not agreed.writing:",
          "if pending is not None and not pending.done:")),
     bug("binding-drops-keywords", "binding: the pass-through drops keyword arguments "
         "(save(blocking=False) blocks)",
         ["tests/test_bindings.py::test_a_forwarded_call_reaches_the_core"],
-        ("zero1_mpi/binding.py", "return getattr(self.sharded, name)(*args, **kwargs)",
+        ("zero1_mpi/bindings/common.py", "return getattr(self.sharded, name)(*args, **kwargs)",
          "return getattr(self.sharded, name)(*args)")),
     bug("buckets-early-start", "buckets: a bucket's reduction starts before its last tensor "
         "is ready",
         ["tests/test_buckets.py::test_overlapped_communication_gives_the_same_bits",
          "tests/test_buckets.py::test_buckets_start_last_to_first_once_their_tensors_are_"
          "ready"],
-        ("zero1_mpi/buckets.py",
+        ("zero1_mpi/gradients/stage1.py",
          "while self._next_start >= 0 and self._waiting[self._next_start] <= 0:",
          "while self._next_start >= 0 and self._waiting[self._next_start] <= 1:")),
     bug("grad-shards-overwrite", "grad_shards (stage 2): each micro-batch's sum replaces the "
         "shard instead of adding to it",
         ["tests/test_stage2.py::test_stage2_equals_stage1_and_the_reference_on_n_ranks[3]"],
-        ("zero1_mpi/grad_shards.py", "            if first:\n"
+        ("zero1_mpi/gradients/stage2.py", "            if first:\n"
          "                shard[...] = block\n            else:",
          "            if True:\n                shard[...] = block\n            else:")),
     bug("grad-shards-twice-silent", "grad_shards (stage 2): a gradient handed over twice is "
         "not reported",
         ["tests/test_stage2.py::test_stage2_equals_stage1_and_the_reference_on_n_ranks[1]"],
-        ("zero1_mpi/grad_shards.py",
+        ("zero1_mpi/gradients/stage2.py",
          "                self.problem = self.problem or (\n"
          "                    f\"the gradient of {name!r} was handed over twice",
          "                self.problem = self.problem and (\n"
@@ -145,16 +145,16 @@ BUGS = [
     bug("checkpoint-column", "checkpoint: a load ignores where a saved range starts in its "
         "file",
         ["tests/test_checkpoint.py::test_every_rules_checkpoints_load_on_other_world_sizes"],
-        ("zero1_mpi/checkpoint.py",
+        ("zero1_mpi/persistence/checkpoint.py",
          "columns = slice(column + start - lo, column + stop - lo)",
          "columns = slice(start - lo, stop - lo)")),
     bug("export-counters", "export: load_consolidated restores no step count, loss scaler "
         "or options",
         ["tests/test_checkpoint.py::test_every_rules_checkpoints_load_on_other_world_sizes"],
-        ("zero1_mpi/export.py", "        counters.restore(*saved)\n", "")),
+        ("zero1_mpi/persistence/consolidated.py", "        counters.restore(*saved)\n", "")),
     bug("layout-fingerprint-dtype", "layout: the fingerprint ignores the dtype",
         ["tests/test_layout.py::test_fingerprint_changes_with_anything_that_must_agree"],
-        ("zero1_mpi/layout.py", "                self.align,\n                self.dtype,\n",
+        ("zero1_mpi/flat/layout.py", "                self.align,\n                self.dtype,\n",
          "                self.align,\n")),
     bug("lion-twins-beta", "rules/lion.py, both twins: the interpolation uses beta2 (the twins "
         "agree with each other)",
@@ -186,13 +186,13 @@ BUGS = [
     bug("watchdog-no-bucket", "watchdog: the message does not name the bucket",
         ["tests/test_watchdog.py::test_fires_once_armed_too_long_and_never_when_disarmed_in_"
          "time"],
-        ("zero1_mpi/watchdog.py",
+        ("zero1_mpi/comm/watchdog.py",
          "where = \"\" if self.bucket is None else f\" of bucket {self.bucket}\"",
          "where = \"\"")),
     bug("preemption-handlers", "preemption: close() installs the default handlers, not the "
         "previous ones",
         ["tests/test_preemption.py::test_overflow_and_bad_arguments"],
-        ("zero1_mpi/preemption.py",
+        ("zero1_mpi/persistence/preemption.py",
          "signal.signal(sig, handler if handler is not None else signal.SIG_DFL)",
          "signal.signal(sig, signal.SIG_DFL)")),
     bug("torch-no-sync", "torch binding: no_sync() lets each backward start the reductions",
@@ -202,60 +202,60 @@ BUGS = [
          "previous, self._sync = self._sync, True")),
     bug("wire-truncates", "the 8-bit encoder (NumPy) truncates instead of rounding to nearest",
         ["tests/test_wire.py::test_encode_equals_the_float64_model[False-900-float32-numpy]"],
-        ("zero1_mpi/wire.py", "            np.rint(w, out=w)\n", "            np.trunc(w, out=w)\n")),
+        ("zero1_mpi/wire/codec.py", "            np.rint(w, out=w)\n", "            np.trunc(w, out=w)\n")),
     bug("wire-misses-inf", "the 8-bit encoder (Numba) does not mark a block holding inf or nan",
         ["tests/test_wire.py::test_encode_equals_the_float64_model[False-900-float32-numba]"],
-        ("zero1_mpi/wire.py", "    if top >= np.int32(0x7F800000):  # inf or nan",
+        ("zero1_mpi/wire/codec.py", "    if top >= np.int32(0x7F800000):  # inf or nan",
          "    if top > np.int32(0x7FFFFFFF):  # inf or nan")),
     bug("wire-feedback-lost", "error feedback: the residual is never added nor kept",
         ["tests/test_wire.py::test_the_8bit_paths_on_n_ranks[2-parts0]"],
-        ("zero1_mpi/exchange.py", "        self.codec.encode(values, packed, residual)",
+        ("zero1_mpi/wire/gradient_exchange.py", "        self.codec.encode(values, packed, residual)",
          "        self.codec.encode(values, packed, None)")),
     bug("wire-gather-owner-exact", "8-bit gathers: the owner keeps its exact new shard instead of "
         "adding the decoded change as every other rank does (the copies differ)",
         ["tests/test_wire.py::test_the_8bit_paths_on_n_ranks[2-parts0]"],
-        ("zero1_mpi/gathers.py", "        self._codec.decode_add(mine, self._params[lo:hi])",
+        ("zero1_mpi/wire/param_gathers.py", "        self._codec.decode_add(mine, self._params[lo:hi])",
          "        self._params[lo:hi] = self._new[:n]")),
     bug("wire-gather-padding", "8-bit gathers: the change over the padding, which LAMB's "
         "kernel leaves unwritten, is sent (the copies' padding and block scales take stale "
         "values)",
         ["tests/test_wire.py::test_the_8bit_paths_on_n_ranks[2-parts0]"],
-        ("zero1_mpi/gathers.py", "        change[real:] = 0", "")),
+        ("zero1_mpi/wire/param_gathers.py", "        change[real:] = 0", "")),
     bug("wire-across-order", "8-bit sum across 3 shard groups: the replicas' parts summed in "
         "reverse order (the same bits everywhere, but not the format's rank order)",
         ["tests/test_wire.py::test_the_8bit_paths_on_n_ranks[6-parts3]"],
-        ("zero1_mpi/exchange.py", "        codec.decode_sum(received.reshape(r, row), hi - lo, mine)",
+        ("zero1_mpi/wire/gradient_exchange.py", "        codec.decode_sum(received.reshape(r, row), hi - lo, mine)",
          "        codec.decode_sum(received.reshape(r, row)[::-1], hi - lo, mine)")),
     bug("remainder-ties-forgotten", "remainder masters: a tie (half a bf16 step above an even "
         "parameter) is not kept, so it comes back half a step below",
         ["tests/test_masters.py::test_masters_come_back_bit_for_bit_and_equal_the_model[numpy]",
          "tests/test_masters.py::test_bitwise_today_on_other_world_sizes[1]"],
-        ("zero1_mpi/masters.py", "        if lo < hi or ties.size:\n",
+        ("zero1_mpi/state/masters.py", "        if lo < hi or ties.size:\n",
          "        if False:\n")),
     bug("remainder-stale-param", "remainder masters: the parameter changes after its "
         "remainder is kept, so the pair no longer makes the master",
         ["tests/test_masters.py::test_bitwise_today_on_other_world_sizes[2]"],
-        ("zero1_mpi/state.py", "            self.masters.store(st, master, param)\n",
+        ("zero1_mpi/state/sharded.py", "            self.masters.store(st, master, param)\n",
          "            self.masters.store(st, master, param)\n"
          "            param[:1] = param[:1] * 2\n")),
     bug("sr-ignores-step", "bf16 state: the stochastic rounding draws the same bits every step",
         ["tests/test_state_dtypes.py::test_rounding_is_unbiased_and_draws_by_index_step_and_array"
          "[numba]"],
-        ("zero1_mpi/state_dtypes.py", "        seed = (flat * _INDEX + step * _STEP + ",
+        ("zero1_mpi/state/encodings.py", "        seed = (flat * _INDEX + step * _STEP + ",
          "        seed = (flat * _INDEX + 0 * _STEP + ")),
     bug("int8-one-map", "8-bit state: every block takes the signed map (the unsigned one's "
         "finer codes are lost for the second moment)",
         ["tests/test_state_dtypes.py::test_8bit_state_equals_its_float64_model[numpy]"],
-        ("zero1_mpi/state_dtypes.py", "        unsigned = np.minimum.reduceat(values, starts) >= 0\n",
+        ("zero1_mpi/state/encodings.py", "        unsigned = np.minimum.reduceat(values, starts) >= 0\n",
          "        unsigned = np.minimum.reduceat(values, starts) > np.inf\n")),
     bug("int8-numba-scale-sign", "8-bit state (Numba): the signed map's blocks keep a positive "
         "scale, so they decode with the unsigned map",
         ["tests/test_state_dtypes.py::test_8bit_state_twins_agree"],
-        ("zero1_mpi/state_dtypes.py", "(amax if up else -amax)", "(amax if up else amax)")),
+        ("zero1_mpi/state/encodings.py", "(amax if up else -amax)", "(amax if up else amax)")),
     bug("state-not-stored", "two-phase rules: the state their first phase updates is not kept "
         "(LAMB's moments stay at their start with bf16 or 8-bit state)",
         ["tests/test_state_dtypes.py::test_every_rule_against_its_model_on_n_ranks[3]"],
-        ("zero1_mpi/state.py", "                self._stored(bucket, a, b, None, None, call[2:-1])",
+        ("zero1_mpi/state/sharded.py", "                self._stored(bucket, a, b, None, None, call[2:-1])",
          "                pass")),
 ]
 

@@ -6,12 +6,12 @@ gradients stay replicated in flat NumPy or CuPy buffers that the model sees thro
 ``ShardedOptimizer`` runs any ``Rule`` (``zero1_mpi.rules``) the same way.
 """
 
-from .checkpoint import CheckpointError
-from .comm import CollectiveError, Communicator
+from .comm.communicator import CollectiveError, Communicator
 from .engine import ShardedOptimizer, StepInfo
-from .layout import Layout, build_layout
+from .flat.inputs import decay_groups
+from .flat.layout import Layout, build_layout
 from .memory import MemoryReport
-from .params import decay_groups
+from .persistence.checkpoint import CheckpointError
 from .rules import Rule
 from .rules.adam import ZeroAdam, ZeroAdamW
 from .rules.lamb import ZeroLAMB

@@ -17,17 +17,18 @@ import signal
 import weakref
 from typing import Any, Literal, Protocol
 
-from . import backend, ledger, options
-from .configure import configure
-from .gradients import gradient_source
-from .memory import MemoryReport
-from .persistence import Persistence
-from .reductions import reductions_of
-from .state import sharded_state
+from .comm.topology import Topology
+from .comm.watchdog import Watchdog, watched
+from .config import options
+from .config.configure import configure
+from .flat.views import Closed, closed_error
+from .gradients.source import gradient_source
+from .kernels import backend
+from .kernels.local_sums import reductions_of
+from .memory import MemoryReport, ledger
+from .persistence.on_disk import Persistence
+from .state.sharded import sharded_state
 from .step import Counters, StepInfo, StepPipeline
-from .topology import Topology
-from .views import Closed, closed_error
-from .watchdog import Watchdog, watched
 
 __all__ = ["ShardedOptimizer", "StepInfo", "with_engine_options"]
 

@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import jax_params
-from .binding import CORE_INTERFACE, PassThrough, optimizer_class
-from .comm import Communicator
+from .bindings import jax_params
+from .bindings.common import CORE_INTERFACE, PassThrough, optimizer_class
+from .bindings.jax_params import ALIGNMENT, core_inputs, is_tracer
+from .bindings.schedules import Schedules
+from .comm.communicator import Communicator
 from .engine import ShardedOptimizer, StepInfo
-from .jax_params import ALIGNMENT, core_inputs, is_tracer
-from .schedules import Schedules
 
 _JAX_MISSING: ImportError | None
 try:
@@ -87,7 +87,7 @@ class ZeroOptimizer(PassThrough):
         **options: the rule's options (``lr``, ``betas``, ``weight_decay``, ...) and the
             engine's (``param_dtype``, ``max_grad_norm``, ``loss_scale``, ...). optax's
             names are taken where they mean the same (``learning_rate``, ``b1``, ``b2``,
-            here and in groups; ``zero1_mpi.spellings``); its defaults are not.
+            here and in groups; ``zero1_mpi.bindings.optax_names``); its defaults are not.
 
     ``lr`` may be a schedule (here, in a group, or set later as ``opt.param_groups[i]["lr"]``):
     a function of the step count such as an optax schedule. A step uses ``schedule(count)``,

@@ -17,8 +17,8 @@ import time
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
-from .comm import CollectiveError
-from .params import group_options
+from .comm.communicator import CollectiveError
+from .flat.inputs import group_options
 from .rules.options import number
 from .scaler import LossScaler
 

@@ -19,9 +19,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .binding import PassThrough, optimizer_class
-from .engine import ShardedOptimizer
-from .torch_compat import (
+from .bindings.common import PassThrough, optimizer_class
+from .bindings.torch_compat import (
     BOUND,
     OWNER,
     check_norm_type,
@@ -32,6 +31,7 @@ from .torch_compat import (
     push_groups,
     torch_options,
 )
+from .engine import ShardedOptimizer
 
 __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-import zero1_mpi.checkpoint as checkpoint
+import zero1_mpi.persistence.checkpoint as checkpoint
 from zero1_mpi import CheckpointError, ZeroAdamW
 import casekit as kit
 from casekit import check, raises

@@ -32,7 +32,7 @@ import casekit as kit
 from casekit import check, rank, size, world
 from reference import max_rel_err
 from zero1_mpi import LossScaler, ZeroAdam
-from zero1_mpi.backend import resolve_dtype
+from zero1_mpi.kernels.backend import resolve_dtype
 
 parser = argparse.ArgumentParser()
 parser.add_argument("mode", choices=["save", "load"])

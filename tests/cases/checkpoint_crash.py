@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-import zero1_mpi.checkpoint as checkpoint
+import zero1_mpi.persistence.checkpoint as checkpoint
 from zero1_mpi import ZeroAdamW
 import casekit as kit
 from casekit import check

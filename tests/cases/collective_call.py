@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from casekit import check
 from zero1_mpi import Communicator
-from zero1_mpi.nccl import exchange_unique_id
+from zero1_mpi.comm.nccl import exchange_unique_id
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()

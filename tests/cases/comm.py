@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from zero1_mpi import CollectiveError, Communicator, ZeroAdam
-from zero1_mpi.backend import PARAM_DTYPES
+from zero1_mpi.kernels.backend import PARAM_DTYPES
 import casekit as kit
 from casekit import check
 

@@ -1,4 +1,4 @@
-"""Tests made from the declaration of every engine option (``zero1_mpi.options.OPTIONS``, its
+"""Tests made from the declaration of every engine option (``zero1_mpi.config.options.OPTIONS``, its
 ``Values``): a new option gets them by being declared.
 
     mpiexec -n 4 python -m mpi4py tests/cases/declared_options.py   (an even N >= 4)
@@ -24,7 +24,7 @@ import numpy as np
 
 from casekit import check, last, rank, size, world
 from zero1_mpi import CollectiveError, ZeroAdamW
-from zero1_mpi.options import OPTIONS
+from zero1_mpi.config.options import OPTIONS
 
 counts = {"bad": 0, "edge": 0, "alone": 0, "differs": 0}
 problems = []  # every failure, reported together at the end

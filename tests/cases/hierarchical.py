@@ -25,7 +25,7 @@ import numpy as np
 import casekit as kit
 from casekit import check, rank, size, world
 from zero1_mpi import CollectiveError, Communicator, ZeroAdamW
-from zero1_mpi.backend import resolve_dtype
+from zero1_mpi.kernels.backend import resolve_dtype
 
 SHAPES = {"scalar": (), "w": (17, 9), "empty": (0, 4), "v": (5,), "long": (700,)}
 STEPS = 6

@@ -23,8 +23,8 @@ from mpi4py import MPI
 import casekit as kit
 from casekit import check, rank, size, world
 from zero1_mpi import ZeroAdamW, ZeroSGD
-from zero1_mpi.backend import BFLOAT16
-from zero1_mpi.masters import TIE
+from zero1_mpi.kernels.backend import BFLOAT16
+from zero1_mpi.state.masters import TIE
 
 parser = argparse.ArgumentParser()
 parser.add_argument("directory", type=Path)

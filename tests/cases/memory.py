@@ -34,7 +34,7 @@ from mpi4py import MPI
 import zero1_mpi
 from casekit import check
 from zero1_mpi import ZeroAdamW, ZeroLion, ZeroSGD
-from zero1_mpi.checkpoint import CHUNK
+from zero1_mpi.persistence.checkpoint import CHUNK
 from zero1_mpi.memory import MASTER_BYTES, STATE_BYTES, stage1_bytes, stage1_fp32_bytes
 
 comm = MPI.COMM_WORLD

@@ -8,8 +8,8 @@ fail on some ranks, or hang). A GPU machine's case: tests/test_gpu.py runs it.
 from mpi4py import MPI
 
 from casekit import check
-from zero1_mpi.backend import use_device
-from zero1_mpi.nccl import NcclCommunicator
+from zero1_mpi.kernels.backend import use_device
+from zero1_mpi.comm.nccl import NcclCommunicator
 
 comm = MPI.COMM_WORLD
 use_device(0)

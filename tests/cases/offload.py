@@ -23,7 +23,7 @@ from mpi4py import MPI
 import casekit as kit
 from casekit import check, rank, size, world
 from reference import max_rel_err, max_ulp_diff
-from zero1_mpi.backend import to_numpy
+from zero1_mpi.kernels.backend import to_numpy
 from zero1_mpi.memory import bytes_per_param
 
 parser = argparse.ArgumentParser()

@@ -21,7 +21,7 @@ Sub-cases (all by default):
   ``step()`` leaves the gradients zeroed.
 
 ``--backend cupy`` puts the parameters on the GPU (picked by node-local rank); ``--nccl``
-communicates through ``zero1_mpi.nccl`` instead of MPI; ``--rule`` runs those rules only.
+communicates through ``zero1_mpi.comm.nccl`` instead of MPI; ``--rule`` runs those rules only.
 """
 
 import argparse
@@ -31,7 +31,7 @@ import numpy as np
 import casekit as kit
 from casekit import check, rank, size, world
 from zero1_mpi import LossScaler, ZeroAdam, ZeroAdamW, decay_groups
-from zero1_mpi.backend import resolve_dtype, to_numpy
+from zero1_mpi.kernels.backend import resolve_dtype, to_numpy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("sub_cases", nargs="*")
@@ -45,7 +45,7 @@ kernels, counts = set(), {}
 
 def communicator():
     if ARGS.nccl:
-        from zero1_mpi.nccl import NcclCommunicator
+        from zero1_mpi.comm.nccl import NcclCommunicator
         return NcclCommunicator(world)
     return world
 

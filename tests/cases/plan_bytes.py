@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from casekit import check, rank, size, world
 from zero1_mpi import Communicator, ZeroAdamW
-from zero1_mpi.plan import plan
+from zero1_mpi.cli.plan import plan
 
 #: Where each counted collective's buffer is among its arguments (an in-place reduce-scatter:
 #: the receive buffer, which is its input).

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import casekit as kit
 from casekit import rank, size, world
-from zero1_mpi.backend import resolve_dtype, to_numpy
+from zero1_mpi.kernels.backend import resolve_dtype, to_numpy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--examples", type=int, default=12)

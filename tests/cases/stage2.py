@@ -29,7 +29,7 @@ from mpi4py import MPI
 import casekit as kit
 from casekit import check, rank, size, world
 from zero1_mpi import CollectiveError, ZeroSGD
-from zero1_mpi.backend import resolve_dtype, to_numpy
+from zero1_mpi.kernels.backend import resolve_dtype, to_numpy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("directory", type=Path)

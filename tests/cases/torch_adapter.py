@@ -21,7 +21,7 @@ from casekit import raises
 from reference import close_to_reference
 
 from zero1_mpi import decay_groups
-from zero1_mpi.backend import resolve_dtype
+from zero1_mpi.kernels.backend import resolve_dtype
 from zero1_mpi.torch import ZeroOptimizer
 
 torch.set_num_threads(1)

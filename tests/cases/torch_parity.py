@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from reference import close_to_reference
 from zero1_mpi import ZeroAdam, ZeroAdamW, decay_groups
-from zero1_mpi.backend import resolve_dtype
+from zero1_mpi.kernels.backend import resolve_dtype
 
 torch.set_num_threads(1)
 comm = MPI.COMM_WORLD

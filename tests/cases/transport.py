@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from casekit import check
 from zero1_mpi import Communicator
-from zero1_mpi.backend import to_numpy, use_device, xp_for
+from zero1_mpi.kernels.backend import to_numpy, use_device, xp_for
 from zero1_mpi.memory import parse_param_count
 from zero1_mpi.rules.registry import builtin_rules
 

@@ -106,7 +106,7 @@ elif mode == "slow-save":
     # checkpoint and the publication of a non-blocking save, each slowed past the timeout.
     import signal
 
-    import zero1_mpi.checkpoint as checkpoint
+    import zero1_mpi.persistence.checkpoint as checkpoint
     opt = ZeroAdamW(params(), lr=1e-2, bucket_elements=2048, step_timeout=timeout)
     publish = checkpoint._publish
 

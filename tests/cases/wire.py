@@ -29,7 +29,7 @@ import casekit as kit
 import reference as ref
 from casekit import check, rank, size, world
 from zero1_mpi import ZeroAdamW, ZeroSGD
-from zero1_mpi.backend import resolve_dtype
+from zero1_mpi.kernels.backend import resolve_dtype
 
 SHAPES = {"scalar": (), "vec": (7,), "mat": (5, 13), "long": (700,), "big": (3000,)}
 #: Where the ``feedback`` case saves (the same directory on every rank: rank 0's temporary one).

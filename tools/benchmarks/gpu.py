@@ -109,7 +109,7 @@ def _torch_cuda():
 
 def kernel_rows(n):
     """(what, bytes moved, seconds) for zero1's kernels and torch's fused AdamW."""
-    from zero1_mpi.backend import BFLOAT16
+    from zero1_mpi.kernels.backend import BFLOAT16
     from zero1_mpi.rules.adam import AdamScalars, CupyAdam
 
     rows = []
@@ -195,7 +195,7 @@ def comm_rows():
     if Communicator(MPI.COMM_SELF).cuda_aware:
         comms.append(("direct (CUDA-aware MPI)", Communicator(MPI.COMM_SELF, cuda_aware=True)))
     try:
-        from zero1_mpi.nccl import NcclCommunicator
+        from zero1_mpi.comm.nccl import NcclCommunicator
         comms.append(("NCCL", NcclCommunicator(MPI.COMM_SELF)))
     except Exception as exc:  # noqa: BLE001 - a missing or broken NCCL is reported, not fatal
         print(f"(NCCL not measured: {type(exc).__name__}: {exc})")

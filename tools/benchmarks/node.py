@@ -57,7 +57,7 @@ def measure(comm, psi: int, dtype_name: str, steps: int, shard_group) -> dict:
     import numpy as np
 
     from zero1_mpi import ZeroAdamW
-    from zero1_mpi.backend import resolve_dtype
+    from zero1_mpi.kernels.backend import resolve_dtype
 
     dtype = resolve_dtype(dtype_name)
     params = {"w": np.random.default_rng(0).standard_normal(psi).astype(np.float32)}

@@ -39,7 +39,7 @@ def _fractions(text: str) -> list[float]:
 
 
 def worker(args) -> dict:
-    from zero1_mpi.backend import xp_for
+    from zero1_mpi.kernels.backend import xp_for
 
     try:
         xp = xp_for(args.backend)

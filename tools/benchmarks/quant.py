@@ -38,8 +38,8 @@ def gradient_like(n: int, dtype) -> np.ndarray:
 
 
 def worker(args) -> dict:
-    from zero1_mpi import wire
-    from zero1_mpi.backend import resolve_dtype
+    from zero1_mpi.wire import codec as wire
+    from zero1_mpi.kernels.backend import resolve_dtype
 
     dtype = resolve_dtype(args.dtype)
     x = gradient_like(args.params, dtype)

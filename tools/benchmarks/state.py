@@ -41,7 +41,7 @@ def options(parser) -> None:
 
 
 def worker(args) -> dict:
-    from zero1_mpi.backend import xp_for
+    from zero1_mpi.kernels.backend import xp_for
 
     xp = xp_for(args.backend)
     kernels = ["cupy"] if args.backend == "cupy" else args.kernels.split(",")

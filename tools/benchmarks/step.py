@@ -109,8 +109,8 @@ def worker(args) -> dict:
     from mpi4py import MPI
 
     from zero1_mpi import ShardedOptimizer
-    from zero1_mpi.backend import resolve_dtype
-    from zero1_mpi.reductions import resolve_cpu_kernel
+    from zero1_mpi.kernels.backend import resolve_dtype
+    from zero1_mpi.kernels.local_sums import resolve_cpu_kernel
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -240,7 +240,7 @@ def kernel_throughput(comm, n, dtype, choice, with_torch: bool) -> dict:
     elements, every rank at once, and the ceiling it is bound by, in the same conditions: an
     in-place read-write stream (``a += b``, read a and b, write a) over as many fp32 bytes as
     the kernel's arrays (gradient, master weights, states)."""
-    from zero1_mpi.reductions import resolve_cpu_kernel
+    from zero1_mpi.kernels.local_sums import resolve_cpu_kernel
 
     def best(fn, repeat=5):
         fn()

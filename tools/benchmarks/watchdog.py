@@ -29,7 +29,7 @@ def options(parser) -> None:
 
 def arm_ns(calls: int = 200_000) -> float:
     """Nanoseconds of one ``arm`` + ``disarm`` pair of a watchdog whose thread runs."""
-    from zero1_mpi.watchdog import Watchdog
+    from zero1_mpi.comm.watchdog import Watchdog
 
     watchdog = Watchdog(600.0)
     try:

@@ -59,8 +59,8 @@ def measure(comm, args, name, dtype, sharding, reduce, hops, gather) -> dict:
     import numpy as np
 
     from zero1_mpi import ZeroAdamW
-    from zero1_mpi.backend import resolve_dtype
-    from zero1_mpi.plan import plan
+    from zero1_mpi.kernels.backend import resolve_dtype
+    from zero1_mpi.cli.plan import plan
 
     psi = args.params
     params = {"w": np.random.default_rng(0).standard_normal(psi).astype(np.float32)}

@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import backend
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels_numba import (
+from ..kernels import backend
+from ..kernels.local_sums import NUMPY_CHUNK, CupyReductions
+from ..kernels.numba_shared import (
     FP16_TABLE,
     compile_marked,
     fp32_chunk,
@@ -28,10 +29,9 @@ from ..kernels_numba import (
     round_params,
     split_grad,
 )
-from ..reductions import NUMPY_CHUNK, CupyReductions
-from ..rule import Rule
 from .options import betas as check_betas
 from .options import non_negative
+from .protocol import Rule
 
 __all__ = ["Lamb", "LambScalars", "NumpyLamb", "NumbaLamb", "CupyLamb", "ZeroLAMB"]
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import backend
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels_numba import (
+from ..kernels import backend
+from ..kernels.local_sums import NUMPY_CHUNK
+from ..kernels.numba_shared import (
     FP16_TABLE,
     NumbaKernel,
     fp32_chunk,
@@ -24,10 +25,9 @@ from ..kernels_numba import (
     round_params,
     split_grad,
 )
-from ..reductions import NUMPY_CHUNK
-from ..rule import Rule
 from .options import betas as check_betas
 from .options import non_negative
+from .protocol import Rule
 
 __all__ = ["Lion", "LionScalars", "NumpyLion", "NumbaLion", "CupyLion", "ZeroLion"]
 

@@ -14,7 +14,7 @@ import inspect
 from dataclasses import dataclass
 
 from ..memory import bytes_per_param
-from ..rule import Rule
+from .protocol import Rule
 
 __all__ = ["NAMES", "BuiltinRule", "builtin_rules", "get", "rule_states", "rule_bytes_per_param"]
 

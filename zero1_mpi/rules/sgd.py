@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import backend
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels_numba import (
+from ..kernels import backend
+from ..kernels.local_sums import NUMPY_CHUNK
+from ..kernels.numba_shared import (
     CHUNK,
     FP16_TABLE,
     NO_F32,
@@ -29,9 +30,8 @@ from ..kernels_numba import (
     round_params,
     split_grad,
 )
-from ..reductions import NUMPY_CHUNK
-from ..rule import Rule
 from .options import non_negative
+from .protocol import Rule
 
 __all__ = ["SGD", "SGDScalars", "NumpySGD", "NumbaSGD", "CupySGD", "ZeroSGD"]
 

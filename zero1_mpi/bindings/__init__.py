@@ -1,0 +1,13 @@
+"""What the framework bindings (``zero1_mpi.torch``, ``zero1_mpi.jax``,
+``zero1_mpi.transformers``) share and need, apart from their public entry points.
+
+- ``common.py``: the rule argument resolved to an optimizer class, and the core's public
+  interface passed through.
+- ``torch_compat.py``: torch's terms (param groups, ``torch.optim`` arguments, gradient
+  clipping) to and from the core.
+- ``jax_params.py``: a pytree of parameters made into the core's named groups.
+- ``optax_names.py``: optax's names of the rules' options.
+- ``schedules.py``: learning-rate schedules kept beside the core's param groups.
+"""
+
+__all__: list[str] = []

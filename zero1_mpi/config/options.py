@@ -1,0 +1,721 @@
+"""The engine's options, each declared once: name, type, default, check and what it does.
+
+``OPTIONS`` is the one declaration. From it come the keyword-only parameters of every optimizer's
+signature (``signature_parameters``), the "Engine options" section of their docstrings
+(``docstring_section``: ``help()``), the option list of docs/api.md (``markdown``), the record
+the ranks compare (``EngineOptions.agreed``) and ``repr(opt)`` (``describe``).
+``check_options(given, context)`` runs the checks in declaration order (a check may read the
+options before it and the context: the arrays, the communicator, this node's ranks) and returns
+an ``EngineOptions``; a bad value raises ValueError (TypeError for an unknown name) naming it
+and the fix. Local: the caller agrees on errors and values across ranks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+import numbers
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..comm.topology import resolve_shard_group_size
+from ..comm.watchdog import check_step_timeout
+from ..flat.inputs import check_param_dtype
+from ..flat.layout import DEFAULT_BUCKET_ELEMENTS, check_bucket_elements
+from ..scaler import LossScaler
+from ..state.encodings import STATE_DTYPES
+from ..state.host import keeps_host_share, resolve_threads
+
+__all__ = [
+    "Option",
+    "Values",
+    "OPTIONS",
+    "EngineOptions",
+    "check_options",
+    "python_scalar",
+    "signature_parameters",
+    "docstring_section",
+    "markdown",
+    "describe",
+    "MARKERS",
+    "DEFAULT_STAGING",
+    "REDUCE_DTYPES",
+]
+
+REDUCE_DTYPES = ("float32", "float16", "int8")
+COMPRESS_HOPS = ("all", "across")
+MASTERS = ("auto", "fp32", "remainder")
+#: Staging buckets of stage 2: one bucket filling while the one before it is reduced (the
+#: order of a backward pass); a bucket waiting for a late tensor holds one the while.
+DEFAULT_STAGING = 2
+
+
+@dataclass(frozen=True)
+class Values:
+    """What an option takes, declared beside its check: the docs say it (``describe``) and the
+    tests are made from it (tests/cases/declared_options.py): values outside it refused on every
+    rank naming the option, those at its edges taken, ``other`` on one rank only refused by
+    the agreement (unless the option is ``local``).
+
+    ``kind``: ``"number"`` (a real number, finite), ``"integer"``, ``"choice"`` (one of
+    ``choices``) or ``"flag"`` (True or False); ``low``/``high``: a number's bounds
+    (``low_open``: ``low`` itself refused); ``none``: None taken too; ``also``: strings taken
+    beside the kind's values. ``other``: a value the check takes that means something else than
+    the default, with the options ``needs`` (on every rank); ``alone``: whether ``other``
+    without ``needs`` is taken (else it must be refused: a value that would mean nothing)."""
+
+    kind: str
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    choices: tuple = ()
+    none: bool = False
+    also: tuple = ()
+    other: Any = None
+    needs: tuple = ()  # ((name, value), ...): hashable, as the dataclass is frozen
+    alone: bool = False
+
+    def describe(self) -> str:
+        """``"a number > 0 or None"``: what the option takes, in words."""
+        if self.kind == "flag":
+            parts = ["True", "False"]
+        elif self.kind == "choice":
+            parts = [repr(c) for c in self.choices]
+        else:
+            noun = "a number" if self.kind == "number" else "an integer"
+            if self.low is not None and self.high is not None and not self.low_open:
+                noun += f" from {self.low:g} to {self.high:g}"
+            elif self.low is not None:
+                noun += f" {'>' if self.low_open else '>='} {self.low:g}"
+            parts = [noun]
+        parts += [repr(a) for a in self.also] + (["None"] if self.none else [])
+        return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One engine option: ``check(value, checked)`` returns the value normalized, or raises;
+    ``checked`` holds the context (``arrays``, ``comm``, ``comm_given``, ``node``) and the
+    options declared before it. ``values``: what it takes (``Values``); ``local``: a rank's own
+    choice, which the ranks need not share (the others must agree)."""
+
+    name: str
+    type: str
+    default: Any
+    check: Callable[[Any, dict], Any]
+    doc: str
+    values: Values
+    local: bool = False
+
+
+def _param_dtype(value, checked):
+    return check_param_dtype(checked["arrays"], value)
+
+
+def _loss_scale(value, checked):
+    return LossScaler.from_option(value)
+
+
+def _max_grad_norm(value, checked):
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"max_grad_norm={value!r} must be a finite number > 0, or None for no clipping"
+        )
+    return float(value)
+
+
+def _reduce_dtype(value, checked):
+    try:
+        name = value if isinstance(value, str) else np.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in REDUCE_DTYPES:
+        raise ValueError(
+            f"reduce_dtype={value!r} is not supported: use 'float32' (default), 'int8' "
+            "(8-bit blocks on the wire) or 'float16' (float16 parameters only)"
+        )
+    dtype = checked["param_dtype"]
+    if name == "float16" and dtype != np.float16:
+        raise ValueError(
+            f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
+            f"{dtype.name}: use reduce_dtype='float32'"
+        )
+    return name
+
+
+def _compress_hops(value, checked):
+    if value not in COMPRESS_HOPS:
+        raise ValueError(
+            f"compress_hops={value!r} is not understood: use 'all' (every hop of the "
+            "reduction in 8 bits) or 'across' (only the sum across shard groups)"
+        )
+    if value == "across" and checked["reduce_dtype"] != "int8":
+        raise ValueError(
+            f"compress_hops='across' chooses which hops reduce_dtype='int8' compresses, but "
+            f"reduce_dtype is {checked['reduce_dtype']!r}: pass reduce_dtype='int8' too"
+        )
+    return value
+
+
+def _error_feedback(value, checked):
+    if not isinstance(value, bool):
+        raise ValueError(f"error_feedback={value!r} must be True or False")
+    if value and checked["reduce_dtype"] != "int8":
+        raise ValueError(
+            "error_feedback=True keeps what 8-bit quantizing drops, but reduce_dtype is "
+            f"{checked['reduce_dtype']!r}: pass reduce_dtype='int8' too, or drop it"
+        )
+    return value
+
+
+def _gather_dtype(value, checked):
+    if value is None:
+        return None
+    if value != "int8":
+        raise ValueError(
+            f"gather_dtype={value!r} is not understood: use None (the parameters' dtype) "
+            "or 'int8' (each step's change in 8-bit blocks)"
+        )
+    if checked["param_dtype"] == np.float32:
+        raise ValueError(
+            "gather_dtype='int8' needs 16-bit parameters (fp32 masters apart from them), "
+            "but param_dtype is float32, whose shard is its own master: pass "
+            "param_dtype='bfloat16' or 'float16', or drop gather_dtype"
+        )
+    return value
+
+
+def _bucket_elements(value, checked):
+    return check_bucket_elements(value)
+
+
+def _cuda_aware(value, checked):
+    if value is not None and checked["comm_given"]:
+        raise ValueError(
+            "cuda_aware= applies to a communicator this optimizer builds: pass it "
+            "to the Communicator you built instead"
+        )
+    return value  # checked by the Communicator built with it
+
+
+def _shard_group_size(value, checked):
+    comm = checked["comm"]
+    k = resolve_shard_group_size(value, comm.size, checked["node"], comm)
+    if checked["compress_hops"] == "across" and k == comm.size:
+        raise ValueError(
+            f"compress_hops='across' compresses the sum across shard groups, but "
+            f"shard_group_size={value!r} makes one group of all {comm.size} ranks: pass "
+            "shard_group_size='node' (or K < N), or compress_hops='all'"
+        )
+    return k
+
+
+def _offload(value, checked):
+    if value is not None and value != "cpu":
+        raise ValueError(
+            f"offload={value!r} is not understood: use 'cpu' (master weights and "
+            "the rule's state on the host) or None (all on the parameters' device)"
+        )
+    if value is not None and checked["gather_dtype"] is not None:
+        raise ValueError(
+            f"offload={value!r} with gather_dtype={checked['gather_dtype']!r} is not "
+            "supported yet: choose one"
+        )
+    return value
+
+
+def _offload_threads(value, checked):
+    if checked["offload"] is None:
+        if value is not None:
+            raise ValueError(
+                f"offload_threads={value!r} sets the host kernel's threads, which "
+                "only offload='cpu' has: pass offload='cpu' too, or drop it"
+            )
+        return None
+    return resolve_threads(value, len(checked["node"]))
+
+
+def _offload_fraction(value, checked):
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or not 0.0 <= value <= 1.0:  # (nan fails the comparison too)
+        raise ValueError(
+            f"offload_fraction={value!r} must be a number from 0 to 1: the share of this "
+            "rank's master weights and state kept and updated on the host"
+        )
+    if checked["offload"] is None and value != 1.0:
+        raise ValueError(
+            f"offload_fraction={value!r} sets the share that offload='cpu' moves to the "
+            "host: pass offload='cpu' too, or drop it"
+        )
+    return float(value) + 0.0  # (-0.0 is 0)
+
+
+def _masters(value, checked):
+    if value not in MASTERS:
+        raise ValueError(
+            f"masters={value!r} is not understood: use 'auto' (remainders where they apply, "
+            "else fp32), 'fp32' or 'remainder' (bfloat16 parameters: 2 bytes a master)"
+        )
+    dtype, why = checked["param_dtype"], None
+    if dtype == np.float32:
+        why = "param_dtype is float32, whose shard is its own master"
+    elif dtype == np.float16:
+        why = (
+            "param_dtype is float16, whose 5 exponent bits do not span fp32's: a master is "
+            "not its float16 rounding and 16 more bits (2**-30 rounds to 0)"
+        )
+    elif checked["offload"] is not None and checked["offload_fraction"] == 1:
+        why = (
+            "offload='cpu' keeps every master on the host, as fp32 (with offload_fraction "
+            "below 1 the device's part may be remainders)"
+        )
+    elif checked["gather_dtype"] is not None:
+        why = (
+            "gather_dtype='int8' keeps an approximation of the parameters, and a remainder "
+            "completes the exact one"
+        )
+    if value == "remainder" and why:
+        raise ValueError(
+            f"masters='remainder' keeps the 16 bits a bfloat16 parameter lacks, but {why}: "
+            "use masters='fp32' (or 'auto')"
+        )
+    if value == "auto" and keeps_host_share(checked["offload"], checked["offload_fraction"]):
+        return "fp32"  # (the memory tool's tables count offload so too)
+    return "remainder" if value != "fp32" and not why else "fp32"
+
+
+def _state_dtype(value, checked):
+    if value not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype={value!r} is not understood: use 'float32', 'bfloat16' (the rule's "
+            "state in 2 bytes, rounded stochastically) or 'int8' (8-bit blocks)"
+        )
+    return value
+
+
+def _shard_gradients(value, checked):
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients sharded too) or False"
+        )
+    return value
+
+
+def _grad_shard_dtype(value, checked):
+    if not checked["shard_gradients"]:
+        if value is not None:
+            raise ValueError(
+                f"grad_shard_dtype={value!r} sets the gradient shard of "
+                "shard_gradients=True: pass that too, or drop it"
+            )
+        return None
+    if value is None:
+        return checked["param_dtype"]
+    if value not in ("float32", np.float32) and getattr(value, "name", None) != "float32":
+        raise ValueError(
+            f"grad_shard_dtype={value!r} is not supported: None (the "
+            "parameters' dtype) or 'float32'"
+        )
+    return np.dtype(np.float32)
+
+
+def _grad_staging(value, checked):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"grad_staging={value!r} must be an integer >= 1 (staging buckets of "
+            f"gradients; default {DEFAULT_STAGING})"
+        )
+    if value != DEFAULT_STAGING and not checked["shard_gradients"]:
+        raise ValueError(
+            f"grad_staging={value!r} sets the staging buckets of shard_gradients=True: "
+            "pass that too, or drop it"
+        )
+    return value
+
+
+def _step_timeout(value, checked):
+    return check_step_timeout(value)
+
+
+OPTIONS = (
+    Option(
+        "param_dtype",
+        "str | None",
+        None,
+        _param_dtype,
+        doc="``'float32'``, ``'float16'`` or ``'bfloat16'`` (``ml_dtypes.bfloat16``); "
+        "default: the arrays' dtype. For fp32 parameters the owned shard of the "
+        "parameter buffer is its own master copy (4Ψ + 4Ψ + 8Ψ/N bytes for Adam).",
+        values=Values(
+            "choice", choices=("float32", "float16", "bfloat16"), none=True, other="bfloat16"
+        ),
+    ),
+    Option(
+        "loss_scale",
+        "float | str | LossScaler | None",
+        None,
+        _loss_scale,
+        doc="None (no scaling), a number (fixed), ``'dynamic'`` (start 2^16, x2 after 2000 "
+        "good steps, x0.5 on overflow, minimum 1) or "
+        "``LossScaler.dynamic_scaler(...)``. Multiply the loss by ``opt.loss_scale`` "
+        "before backward.",
+        values=Values("number", low=0, low_open=True, none=True, also=("dynamic",), other=8.0),
+    ),
+    Option(
+        "max_grad_norm",
+        "float | None",
+        None,
+        _max_grad_norm,
+        doc="clip the averaged gradient to this global L2 norm (None: no clipping), as "
+        "``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient; each rank "
+        "sums the squares of its shard, the step's one ``Allreduce`` adds them.",
+        values=Values("number", low=0, low_open=True, none=True, other=1.0),
+    ),
+    Option(
+        "reduce_dtype",
+        "str",
+        "float32",
+        _reduce_dtype,
+        doc="precision of the gradient sum over ranks. ``'float32'``: fp32 gradients with "
+        "``Reduce_scatter_block``, 16-bit ones exchanged with ``Alltoall`` and summed "
+        "locally in fp32 in rank order (deterministic; MPI has no bf16 type). "
+        "``'float16'`` (float16 gradients only): MPI's own fp16 sum, slower with MPICH, "
+        "rounded at every partial sum and able to overflow before the division by N. "
+        "``'int8'``: blockwise symmetric 8-bit values with an fp32 scale per 256 "
+        "(``zero1_mpi.wire``), about half of 16-bit's bytes, decoded and summed in fp32 in "
+        "rank order (deterministic); see ``compress_hops`` and ``error_feedback``.",
+        values=Values("choice", choices=REDUCE_DTYPES, other="int8"),
+    ),
+    Option(
+        "compress_hops",
+        "str",
+        "all",
+        _compress_hops,
+        doc="with ``reduce_dtype='int8'`` and hierarchical sharding: ``'all'`` (every hop of "
+        "the reduction in 8 bits) or ``'across'`` (only the sum across shard groups, where "
+        "the link between nodes is; within a group as ``'float32'``).",
+        values=Values(
+            "choice",
+            choices=COMPRESS_HOPS,
+            other="across",
+            needs=(("reduce_dtype", "int8"), ("shard_group_size", 2)),
+        ),
+    ),
+    Option(
+        "error_feedback",
+        "bool",
+        False,
+        _error_feedback,
+        doc="with ``reduce_dtype='int8'``: keep what quantizing drops and add it to the next "
+        "step's gradients (a residual for each compressed hop: Ψ values of the gradients' "
+        "dtype within the group, Ψ/K of the reduced shard's across; "
+        "``memory_report().error_feedback``); forgotten when a step is skipped or a "
+        "checkpoint loaded (checkpoints do not hold it).",
+        values=Values("flag", other=True, needs=(("reduce_dtype", "int8"),)),
+    ),
+    Option(
+        "gather_dtype",
+        "str | None",
+        None,
+        _gather_dtype,
+        doc="how the parameters travel in the all-gather: None (the parameters' dtype) or "
+        "``'int8'`` (16-bit parameters: each step's change in 8-bit blocks, added to every "
+        "rank's copy alike, so that the copies stay identical and within a bound of the "
+        "fp32 masters' rounding that does not grow with the steps; docs/performance.md).",
+        values=Values(
+            "choice",
+            choices=("int8",),
+            none=True,
+            other="int8",
+            needs=(("param_dtype", "bfloat16"),),
+        ),
+    ),
+    Option(
+        "bucket_elements",
+        "int",
+        DEFAULT_BUCKET_ELEMENTS,
+        _bucket_elements,
+        doc="size of a communication bucket, in elements; it bounds the communication scratch.",
+        values=Values("integer", low=1, other=64),
+    ),
+    Option(
+        "cuda_aware",
+        "bool | None",
+        None,
+        _cuda_aware,
+        doc="whether MPI takes GPU buffers; None asks the environment and MPI "
+        "(docs/gpus.md). For a communicator this optimizer builds: pass it to a "
+        "``Communicator`` you build instead.",
+        values=Values("flag", none=True, other=False),
+    ),
+    Option(
+        "shard_group_size",
+        "int | str | None",
+        None,
+        _shard_group_size,
+        doc="hierarchical sharding (docs/clusters.md): None shards the state over all N "
+        "ranks; an integer K that divides N over groups of K consecutive ranks, "
+        "replicated across the N/K groups; ``'node'``: K = the ranks that share memory "
+        "(placed by node). Gradients are reduce-scattered within a group and summed "
+        "across the groups, parameters all-gathered within the group. "
+        "``opt.shard_group_size`` (K), ``opt.shard_rank`` and ``opt.replicas`` (N/K) "
+        "tell what was chosen.",
+        values=Values("integer", low=2, none=True, also=("node",), other=2),
+    ),
+    Option(
+        "offload",
+        "str | None",
+        None,
+        _offload,
+        doc="``'cpu'``: keep the fp32 master weights and the rule's state of this rank's "
+        "shard on the host and update them there with the CPU kernel (ZeRO-Offload, "
+        "docs/memory.md), the device holding the parameters, gradients and "
+        "communication scratch; the copies and the host kernel of neighbouring buckets "
+        "overlap. None: all with the parameters.",
+        values=Values("choice", choices=("cpu",), none=True, other="cpu"),
+    ),
+    Option(
+        "offload_threads",
+        "int | None",
+        None,
+        _offload_threads,
+        doc="the host kernel's threads with ``offload='cpu'`` (None: the cores this rank may use).",
+        values=Values("integer", low=1, none=True, other=1, needs=(("offload", "cpu"),)),
+        local=True,
+    ),
+    Option(
+        "offload_fraction",
+        "float",
+        1.0,
+        _offload_fraction,
+        doc="with ``offload='cpu'``, the share of this rank's shard (master weights and "
+        "state) kept and updated on the host, 0 to 1; the rest stays on the device and "
+        "is updated there, first, while the host part's copies and kernel follow. The "
+        "split falls at the tensor-piece boundary nearest it (``memory_report()`` tells "
+        "the bytes on each side). 0 keeps nothing on the host: the optimizer without "
+        "``offload``.",
+        values=Values("number", low=0, high=1, other=0.5, needs=(("offload", "cpu"),)),
+    ),
+    Option(
+        "masters",
+        "str",
+        "auto",
+        _masters,
+        doc="how this rank keeps the fp32 master weights of 16-bit parameters: ``'fp32'``, "
+        "or ``'remainder'`` (bfloat16: the 16 bits the parameter lacks, 2 bytes a "
+        "parameter instead of 4, the same masters bit for bit; ``zero1_mpi.state.masters``). "
+        "``'auto'``: remainders for bfloat16 parameters unless ``offload`` or "
+        "``gather_dtype`` is set, else fp32. With ``offload``, the host keeps fp32 masters; "
+        "``'remainder'`` with ``offload_fraction`` below 1 keeps the device's part so. "
+        "``opt.options.masters`` tells which.",
+        values=Values(
+            "choice",
+            choices=MASTERS,
+            other="fp32",
+            needs=(("param_dtype", "bfloat16"),),
+            alone=True,
+        ),
+    ),
+    Option(
+        "state_dtype",
+        "str",
+        "float32",
+        _state_dtype,
+        doc="how this rank keeps the rule's state arrays (moments, momentum): ``'float32'``, "
+        "or ``'bfloat16'`` (2 bytes each, rounded stochastically with bits drawn from the "
+        "parameter's index and the step: the same on every rank count) or ``'int8'`` (8-bit "
+        "codes of the dynamic map of 8-bit Adam with an fp32 scale per 256 values, about 1 "
+        "byte each; tensors under 4096 elements keep fp32). ``zero1_mpi.state.encodings``. "
+        "Checkpoints hold fp32 state either way; offloaded, the host keeps its part so too.",
+        values=Values("choice", choices=STATE_DTYPES, other="bfloat16"),
+    ),
+    Option(
+        "shard_gradients",
+        "bool",
+        False,
+        _shard_gradients,
+        doc="ZeRO stage 2: no rank holds the full gradient. Hand each tensor's gradient "
+        "over with ``add_grad(name, grad)`` (once per micro-batch, in the same order on "
+        "every rank) instead of writing ``grads``; a bucket is reduced into this rank's "
+        "gradient shard as soon as its last tensor is in, through a few staging "
+        "buckets (``grad_staging``); the shard sums the micro-batches of a step.",
+        values=Values("flag", other=True),
+    ),
+    Option(
+        "grad_shard_dtype",
+        "str | None",
+        None,
+        _grad_shard_dtype,
+        doc="the gradient shard's dtype with ``shard_gradients``: None (the parameters') "
+        "or ``'float32'`` (16-bit parameters: the exact fp32 sums, 2 bytes a parameter "
+        "more per rank over N).",
+        values=Values(
+            "choice",
+            choices=("float32",),
+            none=True,
+            other="float32",
+            needs=(("shard_gradients", True), ("param_dtype", "bfloat16")),
+        ),
+    ),
+    Option(
+        "grad_staging",
+        "int",
+        DEFAULT_STAGING,
+        _grad_staging,
+        doc="staging buckets with ``shard_gradients`` (at least 1).",
+        values=Values("integer", low=1, other=3, needs=(("shard_gradients", True),)),
+    ),
+    Option(
+        "step_timeout",
+        "float | None",
+        None,
+        _step_timeout,
+        doc="seconds a ``step()`` may wait for its collectives (the reduction and "
+        "agreement; then the gathers, and ``wait()``'s; stage 2 reductions in "
+        "``add_grad``) before the job is ended with a line naming the rank, step, phase "
+        "and bucket, then MPI Abort (docs/clusters.md). None: no watchdog.",
+        values=Values("number", low=0, low_open=True, none=True, other=600.0),
+    ),
+)
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+class EngineOptions:
+    """The checked engine options, one attribute per name of ``OPTIONS`` (e.g.
+    ``param_dtype``: a NumPy dtype; ``shard_group_size``: K, the ranks per shard group;
+    ``offload_threads``: the threads resolved; ``loss_scale``: the initial ``LossScaler``)."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+    if TYPE_CHECKING:  # for type checkers: the attributes are OPTIONS' names, declared there
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    def agreed(self) -> dict:
+        """The values every rank must share, as plain values (compared across ranks): all but
+        the ``local`` options'."""
+        return {
+            name: _plain(value) for name, value in vars(self).items() if not _BY_NAME[name].local
+        }
+
+    def __repr__(self) -> str:
+        return f"EngineOptions({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+def check_options(given: dict, context: dict) -> EngineOptions:
+    """``given`` (the keywords passed; the rest take their defaults) checked in declaration
+    order; ``context``: ``arrays`` (by name), ``comm``, ``comm_given`` (the caller passed a
+    ``Communicator``) and ``node`` (this node's ranks)."""
+    unknown = [name for name in given if name not in _BY_NAME]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], _BY_NAME, n=1)
+        hint = f": did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}{hint}")
+    checked = dict(context)
+    for option in OPTIONS:
+        value = python_scalar(given.get(option.name, option.default))
+        checked[option.name] = option.check(value, checked)
+    return EngineOptions({option.name: checked[option.name] for option in OPTIONS})
+
+
+def python_scalar(value):
+    """A NumPy scalar as the Python value it holds (``np.int64(64)`` is 64, ``np.True_`` is
+    True), so that the checks take what NumPy computes as what Python writes."""
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
+    return value
+
+
+def signature_parameters() -> list[inspect.Parameter]:
+    """The options as keyword-only parameters, with their defaults and types."""
+    return [
+        inspect.Parameter(
+            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type
+        )
+        for o in OPTIONS
+    ]
+
+
+def docstring_section(indent: int = 4) -> str:
+    """The "Engine options (keyword-only):" section of the optimizers' docstrings."""
+    pad = " " * indent
+    lines = [f"{pad}Engine options (keyword-only):"]
+    for o in OPTIONS:
+        lines += textwrap.wrap(
+            f"{o.name}: {o.doc}",
+            96 - indent,
+            initial_indent=pad * 2,
+            subsequent_indent=pad * 3,
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines)
+
+
+#: The lines of docs/api.md between which ``markdown()`` stands (tools/docs_options.py).
+MARKERS = (
+    "<!-- engine options: generated from zero1_mpi.config.options.OPTIONS -->",
+    "<!-- end of engine options -->",
+)
+
+
+def markdown() -> str:
+    """The options as the Markdown list of docs/api.md (between its ``MARKERS``)."""
+    return "\n".join(
+        textwrap.fill(
+            f"- `{o.name}` (`{o.type}`, default `{o.default!r}`): {o.doc.replace('``', '`')} "
+            f"Takes {o.values.describe()}{'; may differ between ranks' if o.local else ''}.",
+            96,
+            subsequent_indent="  ",
+            break_on_hyphens=False,
+        )
+        for o in OPTIONS
+    )
+
+
+def describe(opt) -> str:
+    """``repr`` of an optimizer ``opt``: its rule and the rule's settings, N, the shard groups,
+    the stage, the dtypes and offload, then each param group's options (as torch's optimizers
+    print them), and whether it was closed."""
+    o, settings = opt.options, {k: v for k, v in opt.rule.settings().items() if k != "rule"}
+    extra = "".join(f", {k}={v!r}" for k, v in settings.items())
+    n, k = opt.world_size, o.shard_group_size
+    stage = (
+        "stage 2, grad_shard_dtype=" + o.grad_shard_dtype.name if o.shard_gradients else "stage 1"
+    )
+    wire = "".join(
+        f", {name}={getattr(o, name)!r}"
+        for name, plain in (
+            ("compress_hops", "all"),
+            ("error_feedback", False),
+            ("gather_dtype", None),
+        )
+        if getattr(o, name) != plain
+    )
+    fraction = f", offload_fraction={o.offload_fraction:g}" if o.offload_fraction != 1 else ""
+    lines = [
+        f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={n}, shard_group_size="
+        f"{k} ({n // k} replicas), {stage}, param_dtype={o.param_dtype.name}, "
+        f"reduce_dtype={o.reduce_dtype}{wire}, offload={o.offload!r}{fraction})"
+    ]
+    for index, group in enumerate(opt.param_groups):
+        lines.append(f"Parameter Group {index} ({len(group['names'])} tensors)")
+        lines += [f"    {key}: {group[key]!r}" for key in opt.rule.options]
+    return "\n".join(lines + (["(closed)"] if opt.closed else []))
+
+
+def _plain(value):
+    """``value`` if it pickles the same everywhere (None, str, int, float), else its repr."""
+    return value if value is None or isinstance(value, (str, int, float)) else repr(value)

@@ -1,0 +1,235 @@
+"""Where a rank keeps the fp32 master weights of its shard: ``Fp32Masters`` (an fp32 array) or
+``RemainderMasters`` (bf16 parameters: the 16 bits the parameter lacks, 2 bytes instead of 4).
+
+A remainder is ``bits(master) - bits(param) << 16`` as a signed 16-bit integer, ``param`` being
+the master rounded to the nearest bf16, ties to even (what the kernels write), so the master is
+its parameter and remainder, bit for bit. That holds for all but one master per parameter: an
+even parameter is the rounding of 65,537 fp32 values, and the one 16 bits cannot tell apart,
+half a bf16 step above it, is a *tie*, whose position ``ties`` keeps (about one element in 2^17
+per step; 8 bytes each). Both keep ``load(st, at, param)`` (the fp32 masters over ``st`` for the
+kernel, decoded into scratch at ``at``), ``store(st, values, param)`` after it, ``read`` and
+``write`` for checkpoints; ``masters_for`` builds one. Twins: NumPy, Numba, CuPy (same bits).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels import backend
+from ..kernels.numba_shared import compile_marked, jit
+
+__all__ = ["Fp32Masters", "RemainderMasters", "masters_for", "TIE"]
+
+FP32 = np.dtype(np.float32)
+#: The remainder of a tie (half a bf16 step above an even parameter): stored as ``-TIE``.
+TIE = 0x8000
+#: Elements per NumPy pass: the int32 scratch stays in cache.
+NUMPY_CHUNK = 1 << 16
+
+
+class Fp32Masters:
+    """The masters as the fp32 ``array`` given, updated in place."""
+
+    kind = "fp32"
+    scratch_bytes = 0
+    chunk = 1 << 62  # the kernel updates the array in place: one call per range
+
+    def __init__(self, array):
+        self.array = self.held = array
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    def real_bytes(self, owned: int) -> int:
+        """The bytes of ``owned`` real elements (the rest of ``nbytes`` is padding)."""
+        return owned * FP32.itemsize
+
+    def load(self, st: slice, at: int, param):
+        return self.array[st]
+
+    def store(self, st: slice, values, param) -> None:
+        """Nothing: the kernel updated ``load``'s view in place."""
+
+    def read(self, st: slice, param):
+        """A writable view (``write`` needs no call after writing into it)."""
+        return self.array[st]
+
+    def write(self, st: slice, values, param, rounded=None) -> None:
+        """Set the masters over ``st`` to ``values`` and ``param`` (None: none apart, fp32
+        parameters) to ``rounded`` (16-bit values as a checkpoint saved them), or to the
+        masters rounded."""
+        self.array[st] = backend.like(self.array, values)
+        if param is not None:
+            source = values if rounded is None else rounded
+            param[...] = backend.like(param, source).astype(param.dtype)
+
+
+class RemainderMasters:
+    """The masters as int16 remainders against bf16 parameters, and the positions of the ties.
+
+    Args:
+        n: elements of the shard; ``largest``: ``chunk``, the most elements one kernel call
+            (or calls used together) takes: the decoded masters' scratch; ``xp``; ``kind``:
+            ``"numpy"``, ``"numba"`` or ``"cupy"``.
+    """
+
+    kind = "remainder"
+    #: Elements per kernel call on the host: the decoded masters stay in cache between the
+    #: decoding, the kernel and the encoding.
+    CHUNK = 1 << 18
+
+    def __init__(self, n: int, largest: int, xp, kind: str):
+        self._xp, self._kind = xp, kind
+        self.remainder = self.held = xp.zeros(n, np.int16)
+        #: Sorted positions (in the shard) of the masters half a bf16 step above an even param.
+        self.ties = np.zeros(0, np.int64)
+        self._decoded = xp.empty(largest, FP32)
+        self.chunk = largest
+        if kind == "cupy":
+            self._tied = xp.empty(largest, np.bool_)
+        elif kind == "numpy":
+            self._tied = np.empty(min(largest, NUMPY_CHUNK), np.int32)  # the int32 remainders
+        else:
+            compile_marked(globals())
+            self._tied = np.empty(0, np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.remainder.nbytes + self.ties.nbytes
+
+    def real_bytes(self, owned: int) -> int:
+        """The bytes of ``owned`` real elements and of the ties (the rest is padding)."""
+        return owned * self.remainder.itemsize + self.ties.nbytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        return self._decoded.nbytes + self._tied.nbytes
+
+    def load(self, st: slice, at: int, param):
+        """The fp32 masters over ``st``, decoded into the scratch at ``at`` (disjoint ranges of
+        one bucket's shard stay valid together) against ``param``, the parameters before the
+        kernel."""
+        out = self._decoded[at : at + st.stop - st.start]
+        self._decode(st, param, out)
+        return out
+
+    def store(self, st: slice, values, param) -> None:
+        """Keep ``values`` (fp32, the kernel's new masters over ``st``) against ``param``, their
+        rounding the kernel wrote."""
+        if self._kind == "numpy":
+            ties = self._encode_numpy(values, param, self.remainder[st])
+        elif self._kind == "numba":
+            ties = _encode_numba(values.view(np.int32), param.view(np.uint16), self.remainder[st])
+        else:
+            ties = self._encode_cupy(values, param, self.remainder[st])
+        lo, hi = np.searchsorted(self.ties, (st.start, st.stop))
+        if lo < hi or ties.size:
+            self.ties = np.concatenate((self.ties[:lo], ties + st.start, self.ties[hi:]))
+
+    def read(self, st: slice, param):
+        """A copy of the fp32 masters over ``st`` (``write`` changes them)."""
+        out = self._xp.empty(st.stop - st.start, FP32)
+        self._decode(st, param, out)
+        return out
+
+    def write(self, st: slice, values, param, rounded=None) -> None:
+        """Set the masters over ``st`` to ``values`` and ``param`` to their rounding (always:
+        a remainder completes that, so ``rounded`` is not taken)."""
+        values = backend.like(param, values).astype(FP32, copy=False)
+        param[...] = values.astype(param.dtype)
+        self.store(st, values, param)
+
+    # -- the twins ---------------------------------------------------------------------------
+
+    def _decode(self, st: slice, param, out) -> None:
+        rem = self.remainder[st]
+        if self._kind == "numpy":
+            bits = out.view(np.int32)
+            np.left_shift(param.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+            np.add(bits, rem, out=bits)
+        elif self._kind == "numba":
+            _decode_numba(param.view(np.uint16), rem, out.view(np.int32))
+        else:
+            _cuda_kernel("decode")(param.view(np.uint16), rem, out.view(np.int32))
+        lo, hi = np.searchsorted(self.ties, (st.start, st.stop))
+        if lo < hi:  # a tie decodes half a step below its parameter: move it above
+            at = self.ties[lo:hi] - st.start
+            out.view(np.int32)[backend.like(out, at)] += 2 * TIE
+
+    def _encode_numpy(self, values, param, rem) -> np.ndarray:
+        bits, ties = values.view(np.int32), []
+        for start in range(0, values.size, self._tied.size):
+            stop = min(values.size, start + self._tied.size)
+            r = self._tied[: stop - start]
+            np.left_shift(param[start:stop].view(np.uint16), 16, out=r.view(np.uint32),
+                          dtype=np.uint32)  # fmt: skip
+            np.subtract(bits[start:stop], r, out=r)
+            ties.append(np.flatnonzero(r == TIE) + start)
+            np.copyto(rem[start:stop], r, casting="unsafe")  # (TIE wraps to -TIE)
+        return np.concatenate(ties) if ties else np.zeros(0, np.int64)
+
+    def _encode_cupy(self, values, param, rem) -> np.ndarray:
+        tied = self._tied[: values.size]
+        _cuda_kernel("encode")(values.view(np.int32), param.view(np.uint16), rem, tied)
+        return self._xp.flatnonzero(tied).get().astype(np.int64)  # a few, usually none
+
+
+def masters_for(
+    kind: str, n: int, largest: int, xp, compute: str, whole: bool
+) -> Fp32Masters | RemainderMasters:
+    """The masters of ``kind`` (``"fp32"`` or ``"remainder"``) for a shard of ``n`` elements;
+    ``compute``: the kernel family (``"numpy"``, ``"numba"``, ``"cupy"``); ``whole``: a kernel
+    call may need a whole bucket's shard decoded at once (a two-phase rule's sums), else
+    ``RemainderMasters.CHUNK`` elements on the host."""
+    if kind == "remainder":
+        chunk = largest if whole or compute == "cupy" else min(largest, RemainderMasters.CHUNK)
+        return RemainderMasters(n, chunk, xp, compute)
+    return Fp32Masters(xp.zeros(n, FP32))
+
+
+# -- the Numba twin ------------------------------------------------------------------------------
+
+
+@jit
+def _decode_numba(param, rem, out):
+    for i in range(out.size):
+        out[i] = np.int32((np.uint32(param[i]) << np.uint32(16)) + np.uint32(np.int32(rem[i])))
+
+
+@jit
+def _encode_numba(master, param, rem):
+    count = 0
+    for i in range(master.size):
+        r = np.int32(np.uint32(master[i]) - (np.uint32(param[i]) << np.uint32(16)))
+        count += r == TIE
+        rem[i] = np.int16(r)
+    ties = np.empty(count, np.int64)
+    k = 0
+    if count:
+        for i in range(master.size):
+            if np.int32(np.uint32(master[i]) - (np.uint32(param[i]) << np.uint32(16))) == TIE:
+                ties[k] = i
+                k += 1
+    return ties
+
+
+# -- the CuPy twin -------------------------------------------------------------------------------
+
+_CUDA: dict[str, tuple[str, str, str]] = {
+    "decode": (
+        "uint16 param, int16 rem",
+        "int32 master",
+        "master = (int)(((unsigned int)param << 16) + (unsigned int)(int)rem);",
+    ),
+    "encode": (
+        "int32 master, uint16 param",
+        "int16 rem, bool tied",
+        "int r = (int)((unsigned int)master - ((unsigned int)param << 16));"
+        " rem = (short)r; tied = r == 0x8000;",
+    ),
+}
+
+
+def _cuda_kernel(name: str):
+    return backend.elementwise_kernel(f"zero1_remainder_{name}", *_CUDA[name])
