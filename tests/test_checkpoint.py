@@ -8,7 +8,8 @@ import pytest
 
 from casekit import shard_arrays, state_rows
 from mpirun import SIBLING, run_mpi
-from zero1_mpi.persistence.checkpoint import MANIFEST, MANIFEST_DIGEST, plan_reads
+from zero1_mpi.persistence.checkpoint import plan_reads
+from zero1_mpi.persistence.manifest import MANIFEST, MANIFEST_DIGEST
 from zero1_mpi.rules.registry import builtin_rules
 
 MANIFEST_FILES = (MANIFEST, MANIFEST_DIGEST)

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from casekit import digest
 from zero1_mpi import CheckpointError, ZeroAdamW
-from zero1_mpi.persistence.checkpoint import LATEST, MANIFEST, MANIFEST_DIGEST
+from zero1_mpi.persistence.manifest import LATEST, MANIFEST, MANIFEST_DIGEST
 
 pytestmark = pytest.mark.mpi_independent
 SHAPES = {"w": (6, 5), "b": (5,), "s": ()}

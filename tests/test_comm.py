@@ -5,8 +5,11 @@ import pytest
 from mpi4py import MPI
 
 from mpirun import run_mpi
-from zero1_mpi.comm import communicator as comm_module
-from zero1_mpi.comm.communicator import CUDA_AWARE_ENV, DEVICE_STARTED_ENV, Communicator, mpi_library, query_cuda_support, resolve_cuda_aware, resolve_device_started
+from zero1_mpi.comm import capabilities
+from zero1_mpi.comm.capabilities import (CUDA_AWARE_ENV, DEVICE_STARTED_ENV, mpi_library,
+                                          query_cuda_support, resolve_cuda_aware,
+                                          resolve_device_started)
+from zero1_mpi.comm.communicator import Communicator
 
 MPICH = ("MPICH", (5, 0, 2))
 INTEL = ("Intel MPI", (2021, 18))
@@ -102,7 +105,7 @@ def test_nccl_communicator_needs_cupy_and_says_so():
 def test_started_collectives_take_device_buffers_only_when_told_or_proven(monkeypatch):
     assert resolve_device_started(None, {}, INTEL) == (
         False, "Intel MPI 2021.18 (not proven on device buffers: blocking collectives)")
-    monkeypatch.setattr(comm_module, "DEVICE_STARTED_PROVEN", (("Intel MPI", (2021, 18)),))
+    monkeypatch.setattr(capabilities, "DEVICE_STARTED_PROVEN", (("Intel MPI", (2021, 18)),))
     assert resolve_device_started(None, {}, INTEL) == (
         True, "Intel MPI 2021.18 (proven by tools/mpi_probe.py --device)")
     assert resolve_device_started(None, {}, ("Intel MPI", (2021, 17)))[0] is False

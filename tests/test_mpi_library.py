@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mpirun import mpi_flavor, run_mpi
-from zero1_mpi.comm.communicator import PERSISTENT_PROVEN, mpi_library, resolve_persistent
+from zero1_mpi.comm.capabilities import PERSISTENT_PROVEN, mpi_library, resolve_persistent
 from zero1_mpi.launcher import LauncherError, launch_command
 
 VERSIONS = {

@@ -18,7 +18,7 @@ def main() -> int:
     import mpi4py
     from mpi4py import MPI
 
-    from zero1_mpi.comm.communicator import query_cuda_support, resolve_cuda_aware
+    from zero1_mpi.comm.capabilities import query_cuda_support, resolve_cuda_aware
 
     print(f"python {sys.version.split()[0]}; mpi4py {mpi4py.__version__}; "
           f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}")

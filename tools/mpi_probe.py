@@ -14,7 +14,7 @@ result was wrong. A library that crashes here crashes the job (that is an answer
 ``--device`` runs the same checks on CuPy buffers handed to MPI as device pointers (ranks share
 the GPUs round-robin), where zero1_mpi decides MPI is CUDA-aware (e.g. Intel MPI with
 ``I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda``); a library that passes may be added to
-``zero1_mpi.comm.communicator.DEVICE_STARTED_PROVEN`` (or ``ZERO1_MPI_DEVICE_STARTED=1`` set for it).
+``zero1_mpi.comm.capabilities.DEVICE_STARTED_PROVEN`` (or ``ZERO1_MPI_DEVICE_STARTED=1`` set for it).
 """
 
 import argparse
@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from zero1_mpi import Communicator
 from zero1_mpi.kernels.backend import to_numpy, xp_for
-from zero1_mpi.comm.communicator import mpi_library, resolve_cuda_aware
+from zero1_mpi.comm.capabilities import mpi_library, resolve_cuda_aware
 
 SIZES = (1, 7, 64, 1000, 65536 + 3, 1 << 20)  # elements per rank
 COLLECTIVES = ("reduce_scatter float32", "reduce_scatter float16", "alltoall", "allgather")

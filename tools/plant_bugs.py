@@ -98,17 +98,17 @@ BUGS = [
     bug("checkpoint-prune-follows-links", "checkpoint: the clean-up after a save follows "
         "links (a linked .tmp-* or archived ckpt-* loses its files)",
         ["tests/test_checkpoint_cleanup.py::test_saves_remove_only_their_own_files[links]"],
-        ("zero1_mpi/persistence/checkpoint.py", "if e.is_dir(follow_symlinks=False)]",
+        ("zero1_mpi/persistence/publish.py", "if e.is_dir(follow_symlinks=False)]",
          "if e.is_dir()]"),
-        ("zero1_mpi/persistence/checkpoint.py", "os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW",
+        ("zero1_mpi/persistence/publish.py", "os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW",
          "os.O_RDONLY | os.O_DIRECTORY"),
-        ("zero1_mpi/persistence/checkpoint.py", "e.is_file(follow_symlinks=False)", "e.is_file()")),
+        ("zero1_mpi/persistence/publish.py", "e.is_file(follow_symlinks=False)", "e.is_file()")),
     bug("checkpoint-failed-save-stays", "checkpoint: a save that failed leaves its .tmp-* "
         "directory (and its space) behind",
         ["tests/test_checkpoint_cleanup.py::test_saves_remove_only_their_own_files[failures]",
          "tests/test_checkpoint_cleanup.py::test_after_a_full_disk_the_next_save_that_fits_"
          "succeeds"],
-        ("zero1_mpi/persistence/checkpoint.py", "            _remove_tree(tmp)\n", "            pass\n")),
+        ("zero1_mpi/persistence/checkpoint.py", "            remove_tree(tmp)\n", "            pass\n")),
     bug("persistence-publish-while-writing", "persistence: a non-blocking save is published by "
         "the next step although a rank is still writing",
         ["tests/test_async_save.py::test_non_blocking_saves[3-None]"],

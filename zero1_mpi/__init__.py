@@ -11,7 +11,7 @@ from .engine import ShardedOptimizer, StepInfo
 from .flat.inputs import decay_groups
 from .flat.layout import Layout, build_layout
 from .memory import MemoryReport
-from .persistence.checkpoint import CheckpointError
+from .persistence.manifest import CheckpointError
 from .rules import Rule
 from .rules.adam import ZeroAdam, ZeroAdamW
 from .rules.lamb import ZeroLAMB

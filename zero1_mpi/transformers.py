@@ -32,7 +32,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install transformers accelerate"
     ) from exc
 
-from .comm.communicator import Communicator, mpi_library
+from .comm.capabilities import mpi_library
+from .comm.communicator import Communicator
 from .torch import ZeroOptimizer
 
 __all__ = ["ZeroTrainer", "TrainerZeroOptimizer", "OPTIMIZER_DIR", "PRIVATE_HOOKS", "hide_launch"]

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 import zero1_mpi.persistence.checkpoint as checkpoint
+from zero1_mpi.persistence.manifest import LATEST
 from zero1_mpi import CheckpointError, ZeroAdamW
 import casekit as kit
 from casekit import check, raises
@@ -42,7 +43,7 @@ def digest(opt) -> tuple:
 
 
 def latest(root: Path) -> str:
-    file = root / checkpoint.LATEST
+    file = root / LATEST
     return file.read_text().splitlines()[0] if file.exists() else ""
 
 

@@ -21,6 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 import zero1_mpi.persistence.checkpoint as checkpoint
+import zero1_mpi.persistence.publish as publish
+from zero1_mpi.persistence.manifest import LATEST, MANIFEST_DIGEST
 from zero1_mpi import CheckpointError, ZeroAdamW
 from casekit import check, raises
 from casekit import digest as own_digest
@@ -70,7 +72,7 @@ def listing(root: Path) -> list:
 
 
 def latest(root: Path) -> str:
-    return (root / checkpoint.LATEST).read_text().splitlines()[0]
+    return (root / LATEST).read_text().splitlines()[0]
 
 
 def links(directory: Path):
@@ -128,7 +130,7 @@ def links(directory: Path):
         expected = sorted([".tmp-00000000-1", ".tmp-00000000-2", ".tmp-00000000-3",
                            ".tmp-00000000-5", first.name,
                            saved[0].name, saved[1].name, saved[-2].name, saved[-1].name,
-                           checkpoint.LATEST])
+                           LATEST])
         check(listing(root) == expected, (listing(root), expected))
         check(first.is_symlink() and (root / ".tmp-00000000-1").is_symlink(), listing(root))
     on_root(survivors)
@@ -142,10 +144,10 @@ def failures(directory: Path):
     opt = make()
     train(opt)
     good, at_good = opt.save(root), digest(opt)
-    write, write_synced = checkpoint._write_shard, checkpoint._write_synced
+    write, write_synced = checkpoint._write_shard, publish.write_synced
 
     def unchanged():
-        return on_root(lambda: listing(root)) == sorted([good.name, checkpoint.LATEST]) \
+        return on_root(lambda: listing(root)) == sorted([good.name, LATEST]) \
             and latest(root) == good.name
 
     # A rank's write fails halfway through its file: every rank's file goes, on every rank.
@@ -167,7 +169,7 @@ def failures(directory: Path):
         check(unchanged(), (blocking, on_root(lambda: listing(root))))
 
     # Rank 0's publish fails: writing the manifest (before the rename), writing LATEST (after).
-    for failing in (checkpoint.MANIFEST_DIGEST, f".{checkpoint.LATEST}.tmp"):
+    for failing in (MANIFEST_DIGEST, f".{LATEST}.tmp"):
         def publish_fails(file, data, failing=failing):
             if file.name == failing:
                 with open(file, "wb") as f:
@@ -175,14 +177,14 @@ def failures(directory: Path):
                 raise OSError(28, "No space left on device (test)")
             write_synced(file, data)
         train(opt)
-        checkpoint._write_synced = publish_fails
+        publish.write_synced = publish_fails
         raises(CheckpointError, "cannot publish", lambda: opt.save(root, keep=1))
-        checkpoint._write_synced = write_synced
+        publish.write_synced = write_synced
         check(unchanged(), (failing, on_root(lambda: listing(root))))
     loads_as(root, at_good)
     train(opt)
     check(opt.save(root, keep=1).name == latest(root))
-    check(on_root(lambda: listing(root)) == sorted([latest(root), checkpoint.LATEST]))
+    check(on_root(lambda: listing(root)) == sorted([latest(root), LATEST]))
     loads_as(root, digest(opt))
 
 
@@ -199,7 +201,7 @@ def full(directory: Path):
             pending = big.save(root, keep=1, blocking=False)
             raises(CheckpointError, "No space left on device", pending.wait)
             raises(CheckpointError, "No space left on device", big.finish_save)
-        check(on_root(lambda: listing(root)) == sorted([good.name, checkpoint.LATEST]),
+        check(on_root(lambda: listing(root)) == sorted([good.name, LATEST]),
               (blocking, on_root(lambda: listing(root))))
         check(latest(root) == good.name, latest(root))
         loads_as(root, digest(small))
@@ -211,7 +213,7 @@ def full(directory: Path):
     train(small)
     good = small.save(root, keep=1, blocking=False).wait()
     found = on_root(lambda: listing(root))
-    check(latest(root) == good.name and found == sorted([good.name, checkpoint.LATEST]), found)
+    check(latest(root) == good.name and found == sorted([good.name, LATEST]), found)
     loads_as(root, digest(small))
 
 

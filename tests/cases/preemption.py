@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from casekit import check, raises
 from zero1_mpi import CollectiveError, Communicator, LossScaler, ZeroAdamW
-from zero1_mpi.persistence.checkpoint import read_manifest, resolve
+from zero1_mpi.persistence.manifest import read_manifest, resolve
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

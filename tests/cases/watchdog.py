@@ -108,12 +108,12 @@ elif mode == "slow-save":
 
     import zero1_mpi.persistence.checkpoint as checkpoint
     opt = ZeroAdamW(params(), lr=1e-2, bucket_elements=2048, step_timeout=timeout)
-    publish = checkpoint._publish
+    publish = checkpoint.publish
 
     def slow_publish(*args):
         time.sleep(2.5 * timeout)
         return publish(*args)
-    checkpoint._publish = slow_publish
+    checkpoint.publish = slow_publish
     pending = opt.save(sys.argv[3], blocking=False)
     while not comm.allreduce(pending.written, op=MPI.LAND):
         time.sleep(0.01)

@@ -4,20 +4,18 @@ A root holds complete checkpoints ``ckpt-<step>-<time>/`` and ``LATEST`` (the cu
 and its manifest's SHA-256). A checkpoint is ``manifest.json`` (rule, rows, layout, step,
 options, loss scaler, each file's ranges, size and SHA-256), ``manifest.sha256`` and a float32
 ``shard-<k>.npy`` (rows ``state_rows`` over the flat ranges held) per shard of the first group:
-every byte is checked before ``load`` changes anything; nothing is unpickled. Flat positions
-do not depend on the world size. ``save`` publishes by synced atomic renames, ``start_save``
-from a host copy written in a thread (``PendingSave.finish``). Saves remove only saves' files,
-following no link; a failed one removes what it wrote, then raises on every rank. It reads
-and writes the sharded state (``state.ShardedState``) and the step's ``Counters``. All ranks.
+every byte is checked (``manifest``) before ``load`` changes anything; nothing is unpickled.
+Flat positions do not depend on the world size. ``save`` writes the shards and ``publish``es
+them; ``start_save`` writes from a host copy in a thread (``PendingSave.finish``); a failed save
+removes what it wrote, then raises on every rank. It reads and writes the sharded state
+(``state.ShardedState``) and the step's ``Counters``. All ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
-import re
 import sys
 import threading
 import time
@@ -26,9 +24,23 @@ from typing import cast
 
 import numpy as np
 
-from ..flat.inputs import group_record, restore_options
+from ..flat.inputs import group_record
 from ..kernels.backend import to_numpy
-from ..scaler import LossScaler
+from .manifest import (
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    check_checksum,
+    check_compatible,
+    check_header,
+    fingerprint,
+    read_counters,
+    read_manifest,
+    resolve,
+)
+from .publish import publish, remove_tree, unlink
 
 __all__ = [
     "save",
@@ -37,62 +49,12 @@ __all__ = [
     "PendingSave",
     "snapshot_shape",
     "load",
-    "CheckpointError",
-    "read_counters",
-    "check_rule",
-    "resolve",
-    "read_manifest",
-    "check_compatible",
-    "VERSION",
-    "VERSIONS",
-    "fingerprint",
     "plan_reads",
+    "row_views",
     "CHUNK",
 ]
 
-FORMAT = "zero1_mpi.checkpoint"  # the manifests' format name since 0.1.0: never the module's
-VERSION = 2  # 2: manifest.sha256 and the digest in LATEST; 1 (still loaded): neither
-VERSIONS = (1, 2)
-MANIFEST = "manifest.json"
-MANIFEST_DIGEST = "manifest.sha256"
-LATEST = "LATEST"
-#: Exactly the keys of a manifest (of each version) and of each of its file entries.
-MANIFEST_KEYS = {
-    2: frozenset(
-        {
-            "format",
-            "version",
-            "saved_at",
-            "fingerprint",
-            "world_size",
-            "shard_group_size",
-            "step",
-            "param_dtype",
-            "numel",
-            "rule",
-            "rows",
-            "tensors",
-            "param_groups",
-            "rule_settings",
-            "max_grad_norm",
-            "loss_scaler",
-            "files",
-        }
-    )
-}
-FILE_KEYS = frozenset({"file", "bytes", "sha256", "ranges"})
 CHUNK = 1 << 20  # elements read or written at a time: 4 MiB of float32
-_NAME = re.compile(r"^ckpt-\d{8,}-\d+$")
-_SHARD = re.compile(r"^shard-\d{5,}\.npy$")
-_LATEST = re.compile(r"^(ckpt-\d{8,}-\d+)\n([0-9a-f]{64})\n\Z")  # version 2
-_LATEST_V1 = re.compile(r"^(ckpt-\d{8,}-\d+)\Z")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded; raised on every rank."""
-
-
-# -- saving ----------------------------------------------------------------------------------
 
 
 def save(comm, state, counters, path, keep: int | None = None) -> Path:
@@ -252,7 +214,7 @@ def _finish(comm, root: Path, tmp: Path, manifest: dict, info, keep) -> Path:
     final = error = None
     if comm.rank == 0:
         try:
-            final = _publish(root, tmp, {**manifest, "files": infos}, keep)
+            final = publish(root, tmp, {**manifest, "files": infos}, keep)
         except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
             error = CheckpointError(f"cannot publish the checkpoint under {root}: {exc}")
     comm.agree(error)
@@ -267,7 +229,7 @@ def _agree_written(comm, error, tmp: Path) -> None:
         comm.agree(error)
     except Exception:
         if comm.rank == 0:
-            _remove_tree(tmp)
+            remove_tree(tmp)
         comm.bcast_object(None)  # every rank raises once it is gone
         raise
 
@@ -279,16 +241,6 @@ def row_views(state, lo: int, hi: int, start: int, rows=None) -> list:
     rows = state.rows if rows is None else rows
     views = state.views(lo, hi, start, rows)
     return [views[row] for row in rows]
-
-
-def check_rule(rule, saved_rule, where) -> None:
-    """A checkpoint holds the state of one update rule: only that ``rule`` can load it."""
-    if saved_rule != rule.name:
-        raise CheckpointError(
-            f"{where} holds the state of the {saved_rule!r} rule, but the "
-            f"optimizer runs {rule.name!r}: load it into an optimizer of "
-            "the rule that saved it"
-        )
 
 
 def _state_chunks(state, by_row: bool = True):
@@ -336,7 +288,7 @@ def _write_shard(file: Path, shape: tuple[int, int], chunks) -> dict:
             f.flush()
             os.fsync(f.fileno())
         except BaseException:  # a partial file (a full disk) is not left holding the space
-            _unlink(file)
+            unlink(file)
             raise
     return {"file": file.name, "bytes": size, "sha256": digest.hexdigest()}
 
@@ -366,109 +318,6 @@ def _manifest(comm, state, counters) -> dict:
     }
 
 
-def _publish(root: Path, tmp: Path, manifest: dict, keep: int | None) -> str:
-    manifest = {**manifest, "saved_at": time.time()}
-    text = json.dumps(manifest, indent=1).encode()
-    digest = hashlib.sha256(text).hexdigest()
-    final = f"ckpt-{manifest['step']:08d}-{tmp.name.rsplit('-', 1)[1]}"
-    written = tmp  # until LATEST names it, a failure removes what this save wrote
-    try:
-        _write_synced(tmp / MANIFEST, text)
-        _write_synced(tmp / MANIFEST_DIGEST, f"{digest}  {MANIFEST}\n".encode())
-        _sync_dir(tmp)
-        os.rename(tmp, root / final)
-        written = root / final
-        _sync_dir(root)
-        _write_synced(root / f".{LATEST}.tmp", f"{final}\n{digest}\n".encode())
-        os.replace(root / f".{LATEST}.tmp", root / LATEST)
-    except BaseException:
-        _unlink(root / f".{LATEST}.tmp")
-        _remove_tree(written)
-        raise
-    _sync_dir(root)
-    _prune(root, final, keep)
-    return final
-
-
-def _prune(root: Path, latest: str, keep: int | None) -> None:
-    """Remove what crashed saves left, and complete checkpoints beyond the newest ``keep``;
-    never raises (what cannot be removed stays). Only real directories are candidates: a link
-    named ``.tmp-*`` or ``ckpt-*`` (an archived checkpoint linked back) is the user's, left in
-    place and not counted; ``_remove_tree`` leaves a directory holding anything else."""
-    try:
-        with os.scandir(root) as entries:
-            dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return
-    for name in dirs:
-        if name.startswith(".tmp-"):
-            _remove_tree(root / name)
-    if keep is None:
-        return
-    complete = sorted(
-        (name for name in dirs if _NAME.match(name)), key=lambda name: int(name.rsplit("-", 1)[1])
-    )
-    for name in complete[:-keep]:
-        if name != latest:
-            _remove_tree(root / name)
-
-
-#: The names of the files a save writes into its directory.
-_OWN = re.compile(r"^(shard-\d{5,}\.npy|manifest\.json|manifest\.sha256)\Z")
-
-
-def _remove_tree(path: Path) -> None:
-    """Remove the directory ``path`` if it is a save's: a directory (not a link to one) that
-    holds only regular files of the names a save writes. Anything else in it (another file, a
-    link, a directory) leaves it whole; nothing is followed. Never raises."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:  # gone, not a directory, or a link
-        return
-    try:
-        with os.scandir(fd) as entries:
-            found = [
-                (e.name, _OWN.match(e.name) and e.is_file(follow_symlinks=False)) for e in entries
-            ]
-        names = [name for name, own in found if own]
-        if len(names) < len(found):  # something that is not a save's: none of it is touched
-            return
-        for name in names:
-            os.unlink(name, dir_fd=fd)
-        os.rmdir(path)  # fails on anything that appeared meanwhile, and on a link
-    except OSError:
-        return
-    finally:
-        os.close(fd)
-
-
-def _unlink(file: Path) -> None:
-    """Remove ``file`` (a link itself, never what it points to) if it is there; never
-    raises."""
-    try:
-        os.unlink(file)
-    except OSError:
-        pass
-
-
-def _write_synced(file: Path, data: bytes) -> None:
-    with open(file, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -- loading ---------------------------------------------------------------------------------
-
-
 def load(comm, state, counters, path) -> Path:
     """Load the checkpoint at ``path`` (a root with ``LATEST``, or one checkpoint directory)
     into ``state`` and ``counters``, whatever world size saved it; return the checkpoint
@@ -485,9 +334,9 @@ def load(comm, state, counters, path) -> Path:
         needed = {read[0] for read in reads}
         for index, entry in enumerate(manifest["files"]):
             if entry["file"] in needed:
-                _check_header(ckpt, entry, len(manifest["rows"]))
+                check_header(ckpt, entry, len(manifest["rows"]))
             if index % comm.size == comm.rank:  # every file is hashed by one rank
-                _check_checksum(ckpt, entry)
+                check_checksum(ckpt, entry)
     except CheckpointError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - whatever a damaged checkpoint raises, raised
@@ -516,184 +365,6 @@ def load(comm, state, counters, path) -> Path:
     return ckpt
 
 
-def read_counters(manifest: dict, groups: list, rule, where) -> tuple:
-    """``(step, loss scaler, group options)`` of a checkpoint, checked before anything
-    changes: the arguments of ``Counters.restore``."""
-    step = manifest.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"{where}: step={step!r} is not a step count")
-    try:
-        scaler = LossScaler.from_state(manifest["loss_scaler"])
-        options = restore_options(groups, manifest["param_groups"], rule)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
-    return step, scaler, options
-
-
-def resolve(path: Path) -> tuple[Path, str | None]:
-    """``(the checkpoint directory path names, the manifest digest LATEST gives or None)``:
-    ``path`` itself, or the checkpoint its ``LATEST`` names."""
-    if (path / MANIFEST).is_file():
-        return path, None
-    latest = path / LATEST
-    if not latest.is_file():
-        raise CheckpointError(
-            f"no checkpoint at {path}: it holds neither {MANIFEST} nor "
-            f"{LATEST} (pass the directory given to save())"
-        )
-    data = latest.read_bytes()
-    text: str | bytes
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError:
-        text = data  # shown as bytes in the message
-    found = isinstance(text, str) and (_LATEST.match(text) or _LATEST_V1.match(text))
-    if not found:
-        raise CheckpointError(
-            f"{latest} holds {text!r}, not the name of a checkpoint of this "
-            "root and its manifest's SHA-256 (ckpt-<step>-<time>, then 64 "
-            "hex digits): it is damaged, or points outside the root"
-        )
-    name = found.group(1)
-    if not (path / name / MANIFEST).is_file():
-        raise CheckpointError(f"{latest} names {name!r}, but {path / name / MANIFEST} is missing")
-    return path / name, (found.group(2) if found.re is _LATEST else "")
-
-
-def read_manifest(ckpt: Path, latest_digest: str | None = None) -> dict:
-    """The manifest of the checkpoint directory ``ckpt``, every byte of it checked: against
-    its ``manifest.sha256`` and ``latest_digest`` (from ``resolve``: None when ``ckpt`` was
-    named directly, ``""`` for a version-1 ``LATEST``), its keys, its files' names and
-    ranges, and the directory name's step."""
-    file = ckpt / MANIFEST
-    try:
-        data = file.read_bytes()
-        manifest = json.loads(data)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file} cannot be read as JSON: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a zero1_mpi checkpoint manifest")
-    version = manifest.get("version")
-    if version not in VERSIONS or isinstance(version, bool):
-        raise CheckpointError(
-            f"{file} has format version {version!r}; this zero1_mpi reads "
-            f"versions {', '.join(map(str, VERSIONS))}: load it with the "
-            "version that wrote it"
-        )
-    if version >= 2:
-        _check_manifest_digest(ckpt, hashlib.sha256(data).hexdigest(), latest_digest)
-        keys = set(manifest)
-        if keys != MANIFEST_KEYS[version]:
-            raise CheckpointError(
-                f"{file} has the keys {sorted(keys - MANIFEST_KEYS[version])} that format "
-                f"version {version} does not, and lacks {sorted(MANIFEST_KEYS[version] - keys)}"
-                ": it was not written by save()"
-            )
-    elif latest_digest:
-        raise CheckpointError(
-            f"{ckpt.parent / LATEST} gives a manifest digest, but {file} "
-            "is of format version 1, which has none: LATEST names another "
-            "checkpoint than the one saved with it"
-        )
-    files = manifest.get("files")
-    if not isinstance(files, list) or not files:
-        raise CheckpointError(f"{file} lists no files")
-    for entry in files:
-        if not isinstance(entry, dict) or (version >= 2 and set(entry) != FILE_KEYS):
-            raise CheckpointError(
-                f"{file}: a file entry must have exactly the keys "
-                f"{sorted(FILE_KEYS)}, not {entry!r}"
-            )
-        name = entry.get("file")
-        if not isinstance(name, str) or not _SHARD.match(name) or Path(name).name != name:
-            raise CheckpointError(
-                f"{file} lists the file {name!r}, which is not a shard name "
-                "(shard-<rank>.npy): it may point outside the checkpoint"
-            )
-    covered = sorted((lo, hi) for entry in files for lo, hi in entry["ranges"])
-    ends = [0] + [hi for _, hi in covered]
-    if (
-        [lo for lo, _ in covered] != ends[:-1]
-        or ends[-1] != manifest["numel"]
-        or any(lo >= hi for lo, hi in covered)
-    ):
-        raise CheckpointError(
-            f"{file}: the files' ranges do not cover the "
-            f"{manifest['numel']} parameters exactly once"
-        )
-    named = _NAME.match(ckpt.name)
-    if named and int(ckpt.name.split("-")[1]) != manifest.get("step"):
-        raise CheckpointError(
-            f"{ckpt.name} is the directory of step "
-            f"{int(ckpt.name.split('-')[1])}, but its manifest says step "
-            f"{manifest.get('step')!r}: one of them was changed"
-        )
-    return manifest
-
-
-def _check_manifest_digest(ckpt: Path, actual: str, latest_digest: str | None) -> None:
-    """A version-2 manifest's SHA-256 must be the one its ``manifest.sha256`` holds (exactly as
-    ``save`` wrote it) and, loaded through ``LATEST``, the one ``LATEST`` gives."""
-    file = ckpt / MANIFEST_DIGEST
-    try:
-        text = file.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(
-            f"{file} cannot be read ({exc}): the manifest's checksum is missing"
-        ) from None
-    if text != f"{actual}  {MANIFEST}\n".encode():
-        raise CheckpointError(
-            f"{ckpt / MANIFEST} does not match its checksum in {file}: one of them is corrupted"
-        )
-    if latest_digest is not None and latest_digest != actual:
-        raise CheckpointError(
-            f"{ckpt / MANIFEST} does not match the checksum in "
-            f"{ckpt.parent / LATEST}: one of them is corrupted, or LATEST "
-            "names another checkpoint than the one saved with it"
-        )
-
-
-def check_compatible(state, manifest: dict, ckpt: Path) -> None:
-    """The checkpoint must hold the same tensors, dtype, rule and rows as ``state``."""
-    mine = [(t.name, list(t.shape)) for t in state.layout.tensors]
-    theirs = [(t["name"], list(t["shape"])) for t in manifest["tensors"]]
-    if mine != theirs:
-        if len(mine) != len(theirs):
-            diff = f"{len(theirs)} tensors, the optimizer {len(mine)}"
-        else:
-            a, b = next((a, b) for a, b in zip(theirs, mine) if a != b)
-            diff = (
-                f"{a[0]!r} with shape {tuple(a[1])}, the optimizer {b[0]!r} with shape "
-                f"{tuple(b[1])}"
-            )
-        raise CheckpointError(
-            f"{ckpt} holds different parameters: the checkpoint has {diff}: "
-            "build the optimizer with the names and shapes it was saved with"
-        )
-    if manifest["param_dtype"] != state.dtype.name:
-        raise CheckpointError(
-            f"{ckpt} was saved with param_dtype={manifest['param_dtype']!r}, "
-            f"the optimizer has {state.dtype.name!r}: use the same"
-        )
-    check_rule(state.rule, manifest.get("rule", "adam"), ckpt)  # version 1 without it: Adam's
-    if manifest["rows"] != list(state.rows):
-        raise CheckpointError(
-            f"{ckpt} holds the rows {manifest['rows']}, the optimizer keeps {list(state.rows)}"
-        )
-
-
-def fingerprint(state, param_groups) -> str:
-    """What a checkpoint and an optimizer must share, independent of the world size."""
-    text = repr(
-        (
-            [(t.name, t.shape) for t in state.layout.tensors],
-            state.dtype.name,
-            [list(g["names"]) for g in param_groups],
-        )
-    )
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def plan_reads(owned, files) -> list[tuple[str, int, int, int, int]]:
     """``(file, first column, lo, hi, state)`` for every piece of the flat ranges this rank
     owns (``owned``: ``(lo, hi, state)``) that a saved file holds."""
@@ -707,48 +378,3 @@ def plan_reads(owned, files) -> list[tuple[str, int, int, int, int]]:
                     reads.append((entry["file"], column + a - f_lo, a, b, state + a - lo))
             column += f_hi - f_lo
     return reads
-
-
-def _check_header(ckpt: Path, entry: dict, rows: int) -> None:
-    file = ckpt / entry["file"]
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing")
-    if file.stat().st_size != entry["bytes"]:
-        raise CheckpointError(
-            f"{file} has {file.stat().st_size} bytes, the manifest says "
-            f"{entry['bytes']}: it is truncated or was replaced"
-        )
-    count = sum(hi - lo for lo, hi in entry["ranges"])
-    readers = {
-        (1, 0): np.lib.format.read_array_header_1_0,
-        (2, 0): np.lib.format.read_array_header_2_0,
-    }
-    with open(file, "rb") as f:
-        try:
-            reader = readers.get(np.lib.format.read_magic(f))
-            if reader is None:
-                raise ValueError("unknown .npy version")
-            shape, fortran, dtype = reader(f)
-        except Exception as exc:  # noqa: BLE001 - a damaged header makes NumPy's parser raise
-            # anything (SyntaxError, tokenize.TokenError, ...): raised here it would escape
-            # the agreement below on this rank alone, and the others would wait for ever
-            raise CheckpointError(f"{file} is not a NumPy array file: {exc!r}") from None
-    if (shape, fortran, dtype) != ((rows, count), False, np.dtype("<f4")):
-        raise CheckpointError(
-            f"{file} holds a {dtype} array of shape {shape}; the manifest "
-            f"needs float32 of shape {(rows, count)}"
-        )
-
-
-def _check_checksum(ckpt: Path, entry: dict) -> None:
-    file = ckpt / entry["file"]
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing")
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    if digest.hexdigest() != entry["sha256"]:
-        raise CheckpointError(
-            f"{file} does not match its checksum in the manifest: it is corrupted"
-        )

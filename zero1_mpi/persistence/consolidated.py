@@ -23,7 +23,8 @@ import numpy as np
 
 from ..flat.inputs import group_record
 from ..kernels.backend import to_numpy
-from .checkpoint import CHUNK, CheckpointError, check_rule, read_counters
+from .checkpoint import CHUNK
+from .manifest import CheckpointError, check_rule, read_counters
 
 __all__ = ["save_consolidated", "load_consolidated"]
 
