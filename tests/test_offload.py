@@ -25,9 +25,9 @@ from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdam
 from zero1_mpi.kernels.backend import PARAM_DTYPES
 from zero1_mpi.flat.layout import build_layout
-from zero1_mpi.state.sharded import Part
+from zero1_mpi.state.sharded import ShardRange
 from zero1_mpi.state.masters import Fp32Masters
-from zero1_mpi.state.host import HostShard, ParamMasters, SplitRow, ThreadedKernel, each_tensor_sums, host_start, resolve_threads
+from zero1_mpi.state.host import HostShard, ParamsAsMasters, DeviceHostRow, ThreadedKernel, each_tensor_sums, host_start, resolve_threads
 from zero1_mpi.state.encodings import Fp32State
 from zero1_mpi.rules.registry import builtin_rules
 
@@ -112,7 +112,7 @@ def test_host_shard_copies_one_part_ahead_and_pushes_behind(start):
     for bucket in layout.buckets:
         a = min(max(start - bucket.state.start, 0), bucket.shard_size)
         if a < bucket.shard_size:
-            parts.append(Part(bucket, a, bucket.shard_size, 10 + len(parts), True))
+            parts.append(ShardRange(bucket, a, bucket.shard_size, 10 + len(parts), True))
     assert [p.a for p in parts] == ([0] * 5 if start == 0 else [3, 0, 0, 0])
     shard = HostShard(layout, 1, params, True, parts, start)
     assert shard.master.size == layout.shard_total - start
@@ -150,7 +150,7 @@ def test_the_host_part_starts_at_the_piece_nearest_the_fraction():
 
 def test_split_rows_read_and_write_across_the_cut():
     device, host = Fp32State(np.arange(5, dtype=np.float32)), Fp32State(np.zeros(3, np.float32))
-    row = SplitRow(device, host, 5, 2)
+    row = DeviceHostRow(device, host, 5, 2)
     assert row.nbytes == 32 and row.real_bytes(6) == 24
     assert np.shares_memory(row.read(slice(1, 4)), device.held)  # one side: a view
     row.write(slice(3, 7), np.array([10, 11, 12, 13], np.float32))
@@ -342,9 +342,9 @@ def test_fp32_parameters_are_their_own_masters_on_the_device_side():
     parameters are the masters), the host side its fp32 array; read across the cut, the
     parameters then the host's masters; written, each side its part."""
     host = Fp32Masters(np.zeros(6, np.float32))
-    row = SplitRow(ParamMasters(), host, 4, 6)
+    row = DeviceHostRow(ParamsAsMasters(), host, 4, 6)
     assert row.nbytes == host.nbytes == 24 and row.real_bytes(10) == 24
-    assert ParamMasters().scratch_bytes == 0 and row.chunk == host.chunk
+    assert ParamsAsMasters().scratch_bytes == 0 and row.chunk == host.chunk
     param = np.arange(10, dtype=np.float32)
     row.write(slice(0, 10), param + 0.5, param)
     assert np.array_equal(param[:4], np.arange(4) + 0.5)  # the device side: the parameters

@@ -24,7 +24,7 @@ from .config.configure import configure
 from .flat.views import Closed, closed_error
 from .gradients.source import gradient_source
 from .kernels import backend
-from .kernels.local_sums import reductions_of
+from .kernels.local_sums import KernelFamilies, reductions_for
 from .memory import MemoryReport, ledger
 from .persistence.on_disk import Persistence
 from .state.sharded import sharded_state
@@ -54,14 +54,16 @@ class ShardedOptimizer:
         self.comm, self.rule, self.layout, self.options = setup.comm, rule, layout, o
         self.param_groups, self.backend, self.closed = setup.groups, setup.backend, False
         self.counters = counters = Counters(setup.groups, o.loss_scale, o.max_grad_norm)
-        self._reductions = reductions = reductions_of(setup.backend, layout)
+        kernels = KernelFamilies(setup.backend)  # decided once, for every part
+        self._reductions = reductions = reductions_for(kernels.device, layout.largest_shard)
         with self.comm.abort_on_error("while allocating and broadcasting the parameters"):
             self.topology = topology = Topology(setup.comm, o.shard_group_size, setup.owns_comm)
             #: Ends the job when a step's collectives hang (``step_timeout``); marks where.
             self.watchdog = watch = Watchdog(o.step_timeout, self.rank, self.comm.abort)
-            self.state = state = sharded_state(o, layout, topology, rule, xp, watch, self.wait)
-            state.seed(setup.arrays)
-            self.gradients = grads = gradient_source(o, layout, xp, topology, reductions, watch)
+            self.state = sharded_state(o, layout, topology, rule, xp, watch, self.wait, kernels)
+            self.state.seed(setup.arrays)
+            self.gradients = gradient_source(o, layout, xp, topology, reductions, watch, kernels)
+        state, grads = self.state, self.gradients
         self.persistence = Persistence(self.comm, state, counters, self.wait, watch)
         self._steps = StepPipeline(rule, state, grads, self.persistence, counters, reductions)
         #: Closed in reverse order by ``close()``.
@@ -82,11 +84,7 @@ class ShardedOptimizer:
     rank = property(lambda self: self.comm.rank, doc="This rank in ``comm``.")
     world_size = property(lambda self: self.comm.size, doc="The ranks of ``comm``.")
     scaler = property(lambda self: self.counters.scaler, doc="The next step's ``LossScaler``.")
-
-    @property
-    def kernel(self) -> str:
-        """The kernel family that updates the shard: ``"numpy"``, ``"numba"`` or ``"cupy"``."""
-        return self.state.kernel_kind
+    kernel = property(lambda self: self.state.kernel_kind, doc="The update's kernel family.")
 
     @property
     def loss_scale(self) -> float:

@@ -15,10 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import numpy as np
-
 from ..comm.watchdog import Watchdog
-from ..kernels.local_sums import resolve_cpu_kernel
 from ..wire.codec import codec_for
 from ..wire.gradient_exchange import FP32, AcrossGroups, GroupExchange, Quantizer
 from .stage1 import BucketPipeline
@@ -74,12 +71,14 @@ class GradientSource(Protocol):
         """Complete what is in flight and free what the collectives hold; idempotent."""
 
 
-def gradient_source(options, layout, xp, topology, reductions, watch: Watchdog) -> GradientSource:
+def gradient_source(
+    options, layout, xp, topology, reductions, watch: Watchdog, kernels
+) -> GradientSource:
     """The gradient source of the checked ``options`` (``options.EngineOptions``), with the
-    wire format they ask for (``exchange``)."""
+    wire format they ask for (``exchange``), its codec of the ``kernels.device`` family."""
+    kind = kernels.device
     dtype, k = options.param_dtype, topology.group_size
     int8 = options.reduce_dtype == "int8"
-    kind = "cupy" if xp is not np else resolve_cpu_kernel()
     largest = max(b.size for b in layout.buckets)
     slots = min(options.grad_staging if options.shard_gradients else 2, len(layout.buckets))
     exchange = None

@@ -21,7 +21,7 @@ import numpy as np
 from ..comm.watchdog import Watchdog
 from ..flat.views import Views
 from ..kernels import backend
-from ..wire.gradient_exchange import WireParts
+from ..wire.gradient_exchange import GradientWire
 
 if TYPE_CHECKING:
     from ..comm.communicator import Request
@@ -60,8 +60,8 @@ class BucketPipeline:
         self._grads = grads
         self._comm, self._shard_comm = topology.comm, topology.shard_comm
         self._exchange, self._across_groups = exchange, across
-        #: Both, for the ledger and the step (``exchange.WireParts``).
-        self.wire = WireParts(exchange, across)
+        #: Both, for the ledger and the step (``exchange.GradientWire``).
+        self.wire = GradientWire(exchange, across)
         self._tensor_buckets = {
             t.name: [
                 b.index

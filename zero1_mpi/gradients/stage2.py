@@ -23,7 +23,7 @@ import numpy as np
 from ..comm.watchdog import Watchdog
 from ..flat.views import NoFullGradients
 from ..kernels import backend
-from ..wire.gradient_exchange import WireParts
+from ..wire.gradient_exchange import GradientWire
 
 if TYPE_CHECKING:
     from ..comm.communicator import Request
@@ -83,8 +83,8 @@ class GradientShards:
         self._world = topology.comm
         self._comm = topology.shard_comm
         self._exchange, self._across_groups = exchange, across
-        #: Both, for the ledger and the step (``exchange.WireParts``).
-        self.wire = WireParts(exchange, across)
+        #: Both, for the ledger and the step (``exchange.GradientWire``).
+        self.wire = GradientWire(exchange, across)
         #: This rank's gradient shard (the gradients it holds): ``buffer`` too.
         self.shard = self.buffer = backend.zeros(xp, layout.shard_total, shard_dtype)
         largest = max(b.size for b in layout.buckets)

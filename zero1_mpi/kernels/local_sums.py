@@ -10,6 +10,7 @@ received from every rank summed in fp32, in row order, the same bits for every k
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -19,7 +20,7 @@ from .numba_shared import CHUNK, FP16_TABLE, compile_marked, encoding, jit, wide
 
 __all__ = [
     "reductions_for",
-    "reductions_of",
+    "KernelFamilies",
     "resolve_cpu_kernel",
     "sum_of_squares",
     "add_blocks",
@@ -64,12 +65,19 @@ def reductions_for(kind: str, largest: int):
     return NumpyReductions(largest)
 
 
-def reductions_of(backend: str, layout):
-    """The engine's reductions for parameters of ``backend`` (``"numpy"`` or ``"cupy"``) laid
-    out by ``layout``: CuPy's, else those of the CPU kernel family ``resolve_cpu_kernel``
-    chooses, with scratch for the largest shard of a bucket."""
-    largest = layout.largest_shard
-    return reductions_for("cupy" if backend == "cupy" else resolve_cpu_kernel(), largest)
+class KernelFamilies:
+    """Which kernel family runs where, decided once per optimizer and handed to its parts:
+    ``device`` where the parameters live (``"cupy"`` for CuPy parameters, else the CPU family)
+    and ``host`` for the host's share of an offloaded state (the CPU family, resolved at its
+    first use: CuPy parameters without offload never import Numba for it)."""
+
+    def __init__(self, backend: str, environ=None):
+        self._environ = environ
+        self.device = "cupy" if backend == "cupy" else self.host
+
+    @functools.cached_property
+    def host(self) -> str:
+        return resolve_cpu_kernel(self._environ)
 
 
 def sum_of_squares(x, scratch) -> float:

@@ -24,8 +24,8 @@ from ..kernels import backend
 
 __all__ = [
     "HostShard",
-    "SplitRow",
-    "ParamMasters",
+    "DeviceHostRow",
+    "ParamsAsMasters",
     "ThreadedKernel",
     "host_start",
     "keeps_host_share",
@@ -78,7 +78,7 @@ def host_start(pieces, n: int, fraction: float) -> int:
     return best[1]
 
 
-class SplitRow:
+class DeviceHostRow:
     """One row of a partly offloaded shard (the masters, or one of the rule's state arrays):
     positions ``[0, cut)`` in ``device``, ``[cut, n)`` in ``host`` (each indexed from its own 0),
     both with the interface of ``masters.Fp32Masters`` or ``state_dtypes.Fp32State``.
@@ -150,7 +150,7 @@ class SplitRow:
         return (slice(st.start, self.cut), head), (slice(0, st.stop - self.cut), tail)
 
 
-class ParamMasters:
+class ParamsAsMasters:
     """The device side of fp32 parameters' masters: the parameters themselves (no array)."""
 
     kind = "fp32"
@@ -279,7 +279,7 @@ class HostShard:
         layout, shard_rank: the layout and this rank's place in its shard group.
         params: the flat parameter buffer (NumPy or CuPy): where ``push`` writes.
         mixed: 16-bit parameters (else fp32: the host master is what ``push`` sends).
-        parts: the host parts (``state.Part``: ``[a, b)`` of this rank's shard of ``bucket``,
+        parts: the host parts (``state.ShardRange``: ``[a, b)`` of this rank's shard of ``bucket``,
             a distinct ``index`` each), the positions from ``start`` on, in bucket order.
     """
 

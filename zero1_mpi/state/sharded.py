@@ -23,13 +23,12 @@ import numpy as np
 
 from ..flat.views import Views
 from ..kernels import backend
-from ..kernels.local_sums import resolve_cpu_kernel
 from ..wire.param_gathers import ParamGathers, param_gathers
 from .encodings import MIN_8BIT_SIZE, state_for
 from .host import (
+    DeviceHostRow,
     HostShard,
-    ParamMasters,
-    SplitRow,
+    ParamsAsMasters,
     ThreadedKernel,
     each_tensor_sums,
     host_start,
@@ -37,13 +36,13 @@ from .host import (
 )
 from .masters import Fp32Masters, masters_for
 
-__all__ = ["ShardedState", "HostState", "Part", "sharded_state", "FP32"]
+__all__ = ["ShardedState", "HostState", "ShardRange", "sharded_state", "FP32"]
 
 FP32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
-class Part:
+class ShardRange:
     """``[a, b)`` of this rank's shard of ``bucket``, updated in one place (``on_host``);
     ``index``: its place in ``ShardedState.parts``."""
 
@@ -60,20 +59,23 @@ class ShardedState:
     Args:
         layout, topology: the flat layout and the shard groups (``topology.Topology``).
         rule: the update rule (``zero1_mpi.rules.protocol.Rule``); its kernel runs here.
-        dtype, xp: the parameters' dtype and array module (NumPy or CuPy).
+        xp: the parameters' array module (NumPy or CuPy).
         watch: the ``Watchdog`` told where this rank waits.
         before_read: called before a parameter view is handed out (completes the gathers).
+        options: the checked ``EngineOptions`` (dtype, masters, state encoding, gathers,
+            offload); ``kernels``: the ``KernelFamilies`` that run the update.
     """
 
     #: Where the master weights and the rule's state live: with the parameters.
     on_host = False
 
-    def __init__(self, layout, topology, rule, dtype, xp, watch, before_read=None, options=None):
+    def __init__(self, layout, topology, rule, xp, watch, before_read, options, kernels):
+        dtype = options.param_dtype
         self.layout, self.topology, self.rule, self.dtype = layout, topology, rule, dtype
         self.shard_rank, self.watch, self._xp = topology.shard_rank, watch, xp
+        self.options, self._kernels = options, kernels
         self.mixed = dtype != FP32
-        self.masters_kind = "fp32" if options is None else options.masters
-        self.state_dtype = "float32" if options is None else options.state_dtype
+        self.masters_kind, self.state_dtype = options.masters, options.state_dtype
         #: The flat parameter buffer (every rank's full copy); ``params``: its views by name.
         self.flat = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
         self.params: Mapping = Views(layout, self.flat, before_read)
@@ -81,7 +83,7 @@ class ShardedState:
         #: Each bucket's tensor pieces on this rank: ``(tensor, group, a, b)``, ``[a, b)`` in
         #: the bucket's shard; a two-phase rule's calls, and the 8-bit state's segments.
         self._pieces = [layout.tensor_pieces(b, self.shard_rank) for b in layout.buckets]
-        #: What the update runs over, in order: ranges of a bucket's shard (``Part``).
+        #: What the update runs over, in order: ranges of a bucket's shard (``ShardRange``).
         self.parts = self._split()
         #: Each part's tensor pieces, and its elementwise kernel calls: ``(param group, a, b)``,
         #: per group, or per tensor piece for the 8-bit state (whose blocks start at each).
@@ -100,19 +102,15 @@ class ShardedState:
         kept = [self.masters, *self.stored.values()]
         self._chunk = max(1, min([largest] + [k.chunk for k in kept if k is not None]))
         self._step = 0  # the step being updated (stochastic rounding draws by it)
-        self.gathers: ParamGathers = (
-            ParamGathers(layout, self.flat, topology.shard_comm, watch)
-            if options is None
-            else param_gathers(
-                options, layout, self.flat, topology.shard_comm, watch, xp, self.kernel_kind
-            )
+        self.gathers: ParamGathers = param_gathers(
+            options, layout, self.flat, topology.shard_comm, watch, xp, self.kernel_kind
         )
 
     def _allocate(self, n: int, largest: int) -> None:
         """The shard's arrays (the masters for 16-bit parameters, as ``masters_kind`` says; for
         fp32 ones the parameter buffer's own range is the master) and the kernel."""
         xp = self._xp
-        self.kernel_kind = "cupy" if xp is not np else resolve_cpu_kernel()
+        self.kernel_kind = self._kernels.device
         self.masters: Any = (
             masters_for(
                 self.masters_kind, n, largest, xp, self.kernel_kind, self.rule.tensor_sums > 0
@@ -137,9 +135,9 @@ class ShardedState:
             for t, _, a, b in pieces
         ]
 
-    def _split(self) -> list[Part]:
+    def _split(self) -> list[ShardRange]:
         """The parts: each bucket's shard whole."""
-        return [Part(b, 0, b.shard_size, b.index) for b in self.layout.buckets]
+        return [ShardRange(b, 0, b.shard_size, b.index) for b in self.layout.buckets]
 
     # -- what checkpoints and exports read and write -------------------------------------------
 
@@ -377,29 +375,16 @@ class HostState(ShardedState):
     device's kernel; then each host part's reduced gradients are copied to the host, updated
     there by ``threads`` threads of the CPU kernel, and its new parameters copied back, the
     copies of neighbouring parts overlapping the kernel (``offload.HostShard``). Each row is
-    kept on both sides (``offload.SplitRow``) as ``state_dtype`` says; the masters as
+    kept on both sides (``offload.DeviceHostRow``) as ``state_dtype`` says; the masters as
     ``masters`` says on the device, as fp32 on the host."""
 
     on_host = True
 
-    def __init__(
-        self,
-        layout,
-        topology,
-        rule,
-        dtype,
-        xp,
-        watch,
-        before_read=None,
-        options=None,
-        *,
-        threads,
-        fraction=1.0,
-    ):
-        self._threads, self._fraction = threads, fraction
-        super().__init__(layout, topology, rule, dtype, xp, watch, before_read, options)
+    def __init__(self, layout, topology, rule, xp, watch, before_read, options, kernels):
+        self._threads, self._fraction = options.offload_threads, options.offload_fraction
+        super().__init__(layout, topology, rule, xp, watch, before_read, options, kernels)
 
-    def _split(self) -> list[Part]:
+    def _split(self) -> list[ShardRange]:
         """Each bucket's shard cut at ``cut``: the device part, then the host part."""
         pieces = [
             (bucket.state.start + a, b - a)
@@ -409,18 +394,17 @@ class HostState(ShardedState):
         self.cut = cut = host_start(pieces, self.layout.shard_total, self._fraction)
         #: The real elements of the host part.
         self.host_real = sum(size for position, size in pieces if position >= cut)
-        parts: list[Part] = []
+        parts: list[ShardRange] = []
         for bucket in self.layout.buckets:
             split = min(max(cut - bucket.state.start, 0), bucket.shard_size)
             for a, b, on_host in ((0, split, False), (split, bucket.shard_size, True)):
                 if a < b:
-                    parts.append(Part(bucket, a, b, len(parts), on_host))
+                    parts.append(ShardRange(bucket, a, b, len(parts), on_host))
         return parts
 
     def _allocate(self, n: int, largest: int) -> None:
         xp, cut, whole = self._xp, self.cut, self.rule.tensor_sums > 0
-        self.kernel_kind = resolve_cpu_kernel()
-        device_kind = "cupy" if xp is not np else self.kernel_kind
+        self.kernel_kind, device_kind = self._kernels.host, self._kernels.device
         #: Each bucket's host part (at most one), by bucket index.
         self._host_parts = {part.bucket.index: part for part in self.parts if part.on_host}
         #: The host arrays and the copies between them and the device (``offload.HostShard``).
@@ -437,16 +421,18 @@ class HostState(ShardedState):
         on_device = (
             masters_for(self.masters_kind, cut, on_device_largest, xp, device_kind, whole)
             if self.mixed
-            else ParamMasters()
+            else ParamsAsMasters()
         )
-        self.masters = SplitRow(on_device, Fp32Masters(self.copies.master), cut, self.host_real)
+        self.masters = DeviceHostRow(
+            on_device, Fp32Masters(self.copies.master), cut, self.host_real
+        )
         segments = self._segments()  # (the cut is a piece's start: none is split)
         host_segments = [(a - cut, b - cut, q) for a, b, q in segments if a >= cut]
         device_segments = [s for s in segments if s[0] < cut]
 
-        def row(i: int) -> SplitRow:
+        def row(i: int) -> DeviceHostRow:
             dtype = self.state_dtype
-            return SplitRow(
+            return DeviceHostRow(
                 state_for(
                     dtype, cut, on_device_largest, xp, device_kind, i, whole, device_segments
                 ),
@@ -522,21 +508,10 @@ class HostState(ShardedState):
         )
 
 
-def sharded_state(options, layout, topology, rule, xp, watch, before_read) -> ShardedState:
-    """The sharded state of the checked ``options`` (``options.EngineOptions``)."""
-    if keeps_host_share(options.offload, options.offload_fraction):
-        return HostState(
-            layout,
-            topology,
-            rule,
-            options.param_dtype,
-            xp,
-            watch,
-            before_read,
-            options,
-            threads=options.offload_threads,
-            fraction=options.offload_fraction,
-        )
-    return ShardedState(
-        layout, topology, rule, options.param_dtype, xp, watch, before_read, options
+def sharded_state(options, layout, topology, rule, xp, watch, before_read, kernels) -> ShardedState:
+    """The sharded state of the checked ``options`` (``options.EngineOptions``), updated by
+    ``kernels`` (``KernelFamilies``)."""
+    kind = (
+        HostState if keeps_host_share(options.offload, options.offload_fraction) else ShardedState
     )
+    return kind(layout, topology, rule, xp, watch, before_read, options, kernels)

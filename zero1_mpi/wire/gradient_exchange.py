@@ -21,7 +21,7 @@ from ..comm.communicator import DONE, Request
 from ..kernels import backend
 from .codec import packed_bytes
 
-__all__ = ["Quantizer", "GroupExchange", "AcrossGroups", "WireParts", "FP32"]
+__all__ = ["Quantizer", "GroupExchange", "AcrossGroups", "GradientWire", "FP32"]
 
 FP32 = np.dtype(np.float32)
 
@@ -236,7 +236,7 @@ class _Deferred(Request):
             run()
 
 
-class WireParts:
+class GradientWire:
     """A gradient source's wire: its ``exchange`` within the group and its sum ``across`` the
     groups (either None), with what the ledger and the step ask of both together."""
 
