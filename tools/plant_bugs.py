@@ -69,12 +69,12 @@ BUGS = [
     bug("step-overflow-local", "step: an inf/nan sum of squares is not agreed: no rank "
         "skips the step",
         ["tests/test_bad_input.py::test_bad_input_raises_on_every_rank[3]"],
-        ("zero1_mpi/step.py", "            sum_sq=sum_sq,\n",
+        ("zero1_mpi/step/pipeline.py", "            sum_sq=sum_sq,\n",
          "            sum_sq=sum_sq if math.isfinite(sum_sq) else 0.0,\n")),
     bug("step-grad-norm-sum", "step: the reported norm (and clipping) of the sum over "
         "ranks, not of the mean",
         ["tests/test_parity.py::test_n_ranks_equal_one_process[3-numpy-sub_cases2]"],
-        ("zero1_mpi/step.py",
+        ("zero1_mpi/step/pipeline.py",
          "grad_norm = math.sqrt(agreed.sum_sq) / (comm.size * scale)",
          "grad_norm = math.sqrt(agreed.sum_sq) / scale")),
     bug("state-lamb-local-norm", "state: a two-phase rule's tensor sums (LAMB's norms) are "
@@ -85,7 +85,7 @@ BUGS = [
     bug("step-options-differ", "step: group options that differ between ranks are not "
         "refused",
         ["tests/test_bad_input.py::test_bad_input_raises_on_every_rank[3]"],
-        ("zero1_mpi/step.py",
+        ("zero1_mpi/step/pipeline.py",
          "        if not Agreement.same(agreed.options, agreed.options_sq, ranks):",
          "        if False:")),
     bug("ledger-shard-fp32", "ledger: memory_report books a 16-bit gradient shard "

@@ -28,7 +28,8 @@ from .kernels.local_sums import KernelFamilies, reductions_for
 from .memory import MemoryReport, ledger
 from .persistence.on_disk import Persistence
 from .state.sharded import sharded_state
-from .step import Counters, StepInfo, StepPipeline
+from .step.pipeline import StepPipeline
+from .step.records import Counters, StepInfo
 
 __all__ = ["ShardedOptimizer", "StepInfo", "with_engine_options"]
 

@@ -18,7 +18,7 @@ from typing import cast
 
 import numpy as np
 
-from ..step import Agreement, Counters, StepInfo
+from ..step.records import Agreement, Counters, StepInfo
 from . import checkpoint, preemption
 from . import consolidated as export
 
