@@ -91,27 +91,29 @@ def test_the_package_has_no_import_loop():
 #: ones (a new module must be placed here). Entry points (``__main__``) sit on top. A subpackage's
 #: ``__init__`` sits with its lowest module (it is imported before any of them).
 LAYERS = (
-    ("pure: stdlib, numpy", {"flat", "flat.layout", "memory", "scaler", "progress", "launcher",
-                             "rules.protocol", "rules.options", "comm.watchdog", "flat.views",
-                             "bindings", "bindings.schedules", "bindings.optax_names", "layout",
-                             "cli", "cli.plan", "plan", "kernels", "wire", "gradients", "state",
-                             "persistence", "config", "memory.formulas", "memory.report", "wire.sizes",
-                             "rules", "step", "step.records"}),
-    ("arrays and MPI", {"kernels.backend", "comm", "comm.communicator", "comm.capabilities", "kernels.numba_shared",
-                        "flat.inputs", "kernels.local_sums", "wire.codec", "state.masters",
-                        "state.encodings"}),
-    ("the engine's parts", {"comm.topology", "wire.gradient_exchange", "wire.param_gathers",
-                            "gradients.stage1", "gradients.stage2", "gradients.source",
-                            "state.host", "state.sharded", "step.pipeline", "persistence.checkpoint",
-                            "persistence.consolidated", "persistence.preemption",
-                            "persistence.on_disk", "persistence.manifest", "persistence.publish", "config.options", "config.configure",
-                            "memory.ledger", "comm.nccl"}),
+    ("pure: stdlib, numpy", {
+        "flat", "flat.layout", "flat.views", "layout", "memory", "memory.formulas",
+        "memory.report", "scaler", "progress", "launcher", "rules", "rules.protocol",
+        "rules.options", "comm.watchdog", "bindings", "bindings.schedules",
+        "bindings.optax_names", "cli", "cli.plan", "plan", "kernels", "wire", "wire.sizes",
+        "gradients", "state", "persistence", "config", "step", "step.records"}),
+    ("arrays and MPI", {
+        "kernels.backend", "kernels.numba_shared", "kernels.local_sums", "comm",
+        "comm.communicator", "comm.capabilities", "flat.inputs", "wire.codec",
+        "state.encodings"}),
+    ("the engine's parts", {
+        "comm.topology", "comm.nccl", "wire.gradient_exchange", "wire.param_gathers",
+        "gradients.stage1", "gradients.stage2", "gradients.source", "state.host",
+        "state.masters", "state.sharded", "step.pipeline", "persistence.checkpoint",
+        "persistence.consolidated", "persistence.preemption", "persistence.on_disk",
+        "persistence.manifest", "persistence.publish", "config.options", "config.configure",
+        "memory.ledger"}),
     ("the engine", {"engine"}),
     ("the optimizers", {"rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
-    ("the package, bindings and tools", {"", "bindings.common", "torch", "bindings.torch_compat",
-                                         "jax", "bindings.jax_params", "cli.memory",
-                                         "memory.__main__"}),
+    ("the package, bindings and tools", {
+        "", "bindings.common", "torch", "bindings.torch_compat", "jax", "bindings.jax_params",
+        "cli.memory", "memory.__main__"}),
     ("integrations of the bindings", {"transformers"}),
 )
 

@@ -28,6 +28,7 @@ __all__ = [
     "DEVICE_STARTED_ENV",
     "PERSISTENT_PROVEN",
     "DEVICE_STARTED_PROVEN",
+    "check_cuda_aware",
 ]
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
@@ -211,3 +212,15 @@ def _described(library: tuple[str, tuple[int, ...]]) -> str:
     """``"MPICH 5.0.2"``: a library's name and version, for the reasons the settings give."""
     name, version = library
     return f"{name} {'.'.join(map(str, version))}".strip()
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+
+def check_cuda_aware(value, checked):
+    if value is not None and checked["comm_given"]:
+        raise ValueError(
+            "cuda_aware= applies to a communicator this optimizer builds: pass it "
+            "to the Communicator you built instead"
+        )
+    return value  # checked by the Communicator built with it

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .communicator import Communicator
 
-__all__ = ["Topology", "resolve_shard_group_size"]
+__all__ = ["Topology", "resolve_shard_group_size", "check_shard_group_size"]
 
 
 def resolve_shard_group_size(value, size: int, node_ranks, comm) -> int:
@@ -75,3 +75,18 @@ class Topology:
             self.replica_comm.free()
         if self.owns_comm:
             self.comm.free()
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+
+def check_shard_group_size(value, checked):
+    comm = checked["comm"]
+    k = resolve_shard_group_size(value, comm.size, checked["node"], comm)
+    if checked["compress_hops"] == "across" and k == comm.size:
+        raise ValueError(
+            f"compress_hops='across' compresses the sum across shard groups, but "
+            f"shard_group_size={value!r} makes one group of all {comm.size} ranks: pass "
+            "shard_group_size='node' (or K < N), or compress_hops='all'"
+        )
+    return k

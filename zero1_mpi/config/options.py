@@ -4,18 +4,17 @@
 signature (``signature_parameters``), the "Engine options" section of their docstrings
 (``docstring_section``: ``help()``), the option list of docs/api.md (``markdown``), the record
 the ranks compare (``EngineOptions.agreed``) and ``repr(opt)`` (``describe``).
-``check_options(given, context)`` runs the checks in declaration order (a check may read the
-options before it and the context: the arrays, the communicator, this node's ranks) and returns
-an ``EngineOptions``; a bad value raises ValueError (TypeError for an unknown name) naming it
-and the fix. Local: the caller agrees on errors and values across ranks.
+``check_options(given, context)`` runs the checks in declaration order, each the feature's own
+(``state.host.check_offload``, ...; it may read the options before it and the context: the
+arrays, the communicator, this node's ranks) and returns an ``EngineOptions``; a bad value
+raises ValueError (TypeError for an unknown name) naming it and the fix. Local: the caller
+agrees on errors and values across ranks.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-import math
-import numbers
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,13 +22,34 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..comm.topology import resolve_shard_group_size
+from ..comm.capabilities import check_cuda_aware
+from ..comm.topology import check_shard_group_size
 from ..comm.watchdog import check_step_timeout
 from ..flat.inputs import check_param_dtype
 from ..flat.layout import DEFAULT_BUCKET_ELEMENTS, check_bucket_elements
+from ..gradients.stage2 import (
+    DEFAULT_STAGING,
+    check_grad_shard_dtype,
+    check_grad_staging,
+    check_shard_gradients,
+)
 from ..scaler import LossScaler
-from ..state.encodings import STATE_DTYPES
-from ..state.host import keeps_host_share, resolve_threads
+from ..state.encodings import STATE_DTYPES, check_state_dtype
+from ..state.host import (
+    check_offload,
+    check_offload_fraction,
+    check_offload_threads,
+)
+from ..state.masters import MASTERS, check_masters
+from ..step.pipeline import check_max_grad_norm
+from ..wire.gradient_exchange import (
+    COMPRESS_HOPS,
+    REDUCE_DTYPES,
+    check_compress_hops,
+    check_error_feedback,
+    check_reduce_dtype,
+)
+from ..wire.param_gathers import check_gather_dtype
 
 __all__ = [
     "Option",
@@ -46,13 +66,6 @@ __all__ = [
     "DEFAULT_STAGING",
     "REDUCE_DTYPES",
 ]
-
-REDUCE_DTYPES = ("float32", "float16", "int8")
-COMPRESS_HOPS = ("all", "across")
-MASTERS = ("auto", "fp32", "remainder")
-#: Staging buckets of stage 2: one bucket filling while the one before it is reduced (the
-#: order of a backward pass); a bucket waiting for a late tensor holds one the while.
-DEFAULT_STAGING = 2
 
 
 @dataclass(frozen=True)
@@ -121,228 +134,8 @@ def _loss_scale(value, checked):
     return LossScaler.from_option(value)
 
 
-def _max_grad_norm(value, checked):
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(
-            f"max_grad_norm={value!r} must be a finite number > 0, or None for no clipping"
-        )
-    return float(value)
-
-
-def _reduce_dtype(value, checked):
-    try:
-        name = value if isinstance(value, str) else np.dtype(value).name
-    except TypeError:
-        name = None
-    if name not in REDUCE_DTYPES:
-        raise ValueError(
-            f"reduce_dtype={value!r} is not supported: use 'float32' (default), 'int8' "
-            "(8-bit blocks on the wire) or 'float16' (float16 parameters only)"
-        )
-    dtype = checked["param_dtype"]
-    if name == "float16" and dtype != np.float16:
-        raise ValueError(
-            f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
-            f"{dtype.name}: use reduce_dtype='float32'"
-        )
-    return name
-
-
-def _compress_hops(value, checked):
-    if value not in COMPRESS_HOPS:
-        raise ValueError(
-            f"compress_hops={value!r} is not understood: use 'all' (every hop of the "
-            "reduction in 8 bits) or 'across' (only the sum across shard groups)"
-        )
-    if value == "across" and checked["reduce_dtype"] != "int8":
-        raise ValueError(
-            f"compress_hops='across' chooses which hops reduce_dtype='int8' compresses, but "
-            f"reduce_dtype is {checked['reduce_dtype']!r}: pass reduce_dtype='int8' too"
-        )
-    return value
-
-
-def _error_feedback(value, checked):
-    if not isinstance(value, bool):
-        raise ValueError(f"error_feedback={value!r} must be True or False")
-    if value and checked["reduce_dtype"] != "int8":
-        raise ValueError(
-            "error_feedback=True keeps what 8-bit quantizing drops, but reduce_dtype is "
-            f"{checked['reduce_dtype']!r}: pass reduce_dtype='int8' too, or drop it"
-        )
-    return value
-
-
-def _gather_dtype(value, checked):
-    if value is None:
-        return None
-    if value != "int8":
-        raise ValueError(
-            f"gather_dtype={value!r} is not understood: use None (the parameters' dtype) "
-            "or 'int8' (each step's change in 8-bit blocks)"
-        )
-    if checked["param_dtype"] == np.float32:
-        raise ValueError(
-            "gather_dtype='int8' needs 16-bit parameters (fp32 masters apart from them), "
-            "but param_dtype is float32, whose shard is its own master: pass "
-            "param_dtype='bfloat16' or 'float16', or drop gather_dtype"
-        )
-    return value
-
-
 def _bucket_elements(value, checked):
     return check_bucket_elements(value)
-
-
-def _cuda_aware(value, checked):
-    if value is not None and checked["comm_given"]:
-        raise ValueError(
-            "cuda_aware= applies to a communicator this optimizer builds: pass it "
-            "to the Communicator you built instead"
-        )
-    return value  # checked by the Communicator built with it
-
-
-def _shard_group_size(value, checked):
-    comm = checked["comm"]
-    k = resolve_shard_group_size(value, comm.size, checked["node"], comm)
-    if checked["compress_hops"] == "across" and k == comm.size:
-        raise ValueError(
-            f"compress_hops='across' compresses the sum across shard groups, but "
-            f"shard_group_size={value!r} makes one group of all {comm.size} ranks: pass "
-            "shard_group_size='node' (or K < N), or compress_hops='all'"
-        )
-    return k
-
-
-def _offload(value, checked):
-    if value is not None and value != "cpu":
-        raise ValueError(
-            f"offload={value!r} is not understood: use 'cpu' (master weights and "
-            "the rule's state on the host) or None (all on the parameters' device)"
-        )
-    if value is not None and checked["gather_dtype"] is not None:
-        raise ValueError(
-            f"offload={value!r} with gather_dtype={checked['gather_dtype']!r} is not "
-            "supported yet: choose one"
-        )
-    return value
-
-
-def _offload_threads(value, checked):
-    if checked["offload"] is None:
-        if value is not None:
-            raise ValueError(
-                f"offload_threads={value!r} sets the host kernel's threads, which "
-                "only offload='cpu' has: pass offload='cpu' too, or drop it"
-            )
-        return None
-    return resolve_threads(value, len(checked["node"]))
-
-
-def _offload_fraction(value, checked):
-    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not number or not 0.0 <= value <= 1.0:  # (nan fails the comparison too)
-        raise ValueError(
-            f"offload_fraction={value!r} must be a number from 0 to 1: the share of this "
-            "rank's master weights and state kept and updated on the host"
-        )
-    if checked["offload"] is None and value != 1.0:
-        raise ValueError(
-            f"offload_fraction={value!r} sets the share that offload='cpu' moves to the "
-            "host: pass offload='cpu' too, or drop it"
-        )
-    return float(value) + 0.0  # (-0.0 is 0)
-
-
-def _masters(value, checked):
-    if value not in MASTERS:
-        raise ValueError(
-            f"masters={value!r} is not understood: use 'auto' (remainders where they apply, "
-            "else fp32), 'fp32' or 'remainder' (bfloat16 parameters: 2 bytes a master)"
-        )
-    dtype, why = checked["param_dtype"], None
-    if dtype == np.float32:
-        why = "param_dtype is float32, whose shard is its own master"
-    elif dtype == np.float16:
-        why = (
-            "param_dtype is float16, whose 5 exponent bits do not span fp32's: a master is "
-            "not its float16 rounding and 16 more bits (2**-30 rounds to 0)"
-        )
-    elif checked["offload"] is not None and checked["offload_fraction"] == 1:
-        why = (
-            "offload='cpu' keeps every master on the host, as fp32 (with offload_fraction "
-            "below 1 the device's part may be remainders)"
-        )
-    elif checked["gather_dtype"] is not None:
-        why = (
-            "gather_dtype='int8' keeps an approximation of the parameters, and a remainder "
-            "completes the exact one"
-        )
-    if value == "remainder" and why:
-        raise ValueError(
-            f"masters='remainder' keeps the 16 bits a bfloat16 parameter lacks, but {why}: "
-            "use masters='fp32' (or 'auto')"
-        )
-    if value == "auto" and keeps_host_share(checked["offload"], checked["offload_fraction"]):
-        return "fp32"  # (the memory tool's tables count offload so too)
-    return "remainder" if value != "fp32" and not why else "fp32"
-
-
-def _state_dtype(value, checked):
-    if value not in STATE_DTYPES:
-        raise ValueError(
-            f"state_dtype={value!r} is not understood: use 'float32', 'bfloat16' (the rule's "
-            "state in 2 bytes, rounded stochastically) or 'int8' (8-bit blocks)"
-        )
-    return value
-
-
-def _shard_gradients(value, checked):
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients sharded too) or False"
-        )
-    return value
-
-
-def _grad_shard_dtype(value, checked):
-    if not checked["shard_gradients"]:
-        if value is not None:
-            raise ValueError(
-                f"grad_shard_dtype={value!r} sets the gradient shard of "
-                "shard_gradients=True: pass that too, or drop it"
-            )
-        return None
-    if value is None:
-        return checked["param_dtype"]
-    if value not in ("float32", np.float32) and getattr(value, "name", None) != "float32":
-        raise ValueError(
-            f"grad_shard_dtype={value!r} is not supported: None (the "
-            "parameters' dtype) or 'float32'"
-        )
-    return np.dtype(np.float32)
-
-
-def _grad_staging(value, checked):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"grad_staging={value!r} must be an integer >= 1 (staging buckets of "
-            f"gradients; default {DEFAULT_STAGING})"
-        )
-    if value != DEFAULT_STAGING and not checked["shard_gradients"]:
-        raise ValueError(
-            f"grad_staging={value!r} sets the staging buckets of shard_gradients=True: "
-            "pass that too, or drop it"
-        )
-    return value
 
 
 def _step_timeout(value, checked):
@@ -377,7 +170,7 @@ OPTIONS = (
         "max_grad_norm",
         "float | None",
         None,
-        _max_grad_norm,
+        check_max_grad_norm,
         doc="clip the averaged gradient to this global L2 norm (None: no clipping), as "
         "``torch.nn.utils.clip_grad_norm_`` over the full averaged gradient; each rank "
         "sums the squares of its shard, the step's one ``Allreduce`` adds them.",
@@ -387,7 +180,7 @@ OPTIONS = (
         "reduce_dtype",
         "str",
         "float32",
-        _reduce_dtype,
+        check_reduce_dtype,
         doc="precision of the gradient sum over ranks. ``'float32'``: fp32 gradients with "
         "``Reduce_scatter_block``, 16-bit ones exchanged with ``Alltoall`` and summed "
         "locally in fp32 in rank order (deterministic; MPI has no bf16 type). "
@@ -402,7 +195,7 @@ OPTIONS = (
         "compress_hops",
         "str",
         "all",
-        _compress_hops,
+        check_compress_hops,
         doc="with ``reduce_dtype='int8'`` and hierarchical sharding: ``'all'`` (every hop of "
         "the reduction in 8 bits) or ``'across'`` (only the sum across shard groups, where "
         "the link between nodes is; within a group as ``'float32'``).",
@@ -417,7 +210,7 @@ OPTIONS = (
         "error_feedback",
         "bool",
         False,
-        _error_feedback,
+        check_error_feedback,
         doc="with ``reduce_dtype='int8'``: keep what quantizing drops and add it to the next "
         "step's gradients (a residual for each compressed hop: Ψ values of the gradients' "
         "dtype within the group, Ψ/K of the reduced shard's across; "
@@ -429,7 +222,7 @@ OPTIONS = (
         "gather_dtype",
         "str | None",
         None,
-        _gather_dtype,
+        check_gather_dtype,
         doc="how the parameters travel in the all-gather: None (the parameters' dtype) or "
         "``'int8'`` (16-bit parameters: each step's change in 8-bit blocks, added to every "
         "rank's copy alike, so that the copies stay identical and within a bound of the "
@@ -454,7 +247,7 @@ OPTIONS = (
         "cuda_aware",
         "bool | None",
         None,
-        _cuda_aware,
+        check_cuda_aware,
         doc="whether MPI takes GPU buffers; None asks the environment and MPI "
         "(docs/gpus.md). For a communicator this optimizer builds: pass it to a "
         "``Communicator`` you build instead.",
@@ -464,7 +257,7 @@ OPTIONS = (
         "shard_group_size",
         "int | str | None",
         None,
-        _shard_group_size,
+        check_shard_group_size,
         doc="hierarchical sharding (docs/clusters.md): None shards the state over all N "
         "ranks; an integer K that divides N over groups of K consecutive ranks, "
         "replicated across the N/K groups; ``'node'``: K = the ranks that share memory "
@@ -478,7 +271,7 @@ OPTIONS = (
         "offload",
         "str | None",
         None,
-        _offload,
+        check_offload,
         doc="``'cpu'``: keep the fp32 master weights and the rule's state of this rank's "
         "shard on the host and update them there with the CPU kernel (ZeRO-Offload, "
         "docs/memory.md), the device holding the parameters, gradients and "
@@ -490,7 +283,7 @@ OPTIONS = (
         "offload_threads",
         "int | None",
         None,
-        _offload_threads,
+        check_offload_threads,
         doc="the host kernel's threads with ``offload='cpu'`` (None: the cores this rank may use).",
         values=Values("integer", low=1, none=True, other=1, needs=(("offload", "cpu"),)),
         local=True,
@@ -499,7 +292,7 @@ OPTIONS = (
         "offload_fraction",
         "float",
         1.0,
-        _offload_fraction,
+        check_offload_fraction,
         doc="with ``offload='cpu'``, the share of this rank's shard (master weights and "
         "state) kept and updated on the host, 0 to 1; the rest stays on the device and "
         "is updated there, first, while the host part's copies and kernel follow. The "
@@ -512,7 +305,7 @@ OPTIONS = (
         "masters",
         "str",
         "auto",
-        _masters,
+        check_masters,
         doc="how this rank keeps the fp32 master weights of 16-bit parameters: ``'fp32'``, "
         "or ``'remainder'`` (bfloat16: the 16 bits the parameter lacks, 2 bytes a "
         "parameter instead of 4, the same masters bit for bit; ``zero1_mpi.state.masters``). "
@@ -532,7 +325,7 @@ OPTIONS = (
         "state_dtype",
         "str",
         "float32",
-        _state_dtype,
+        check_state_dtype,
         doc="how this rank keeps the rule's state arrays (moments, momentum): ``'float32'``, "
         "or ``'bfloat16'`` (2 bytes each, rounded stochastically with bits drawn from the "
         "parameter's index and the step: the same on every rank count) or ``'int8'`` (8-bit "
@@ -545,7 +338,7 @@ OPTIONS = (
         "shard_gradients",
         "bool",
         False,
-        _shard_gradients,
+        check_shard_gradients,
         doc="ZeRO stage 2: no rank holds the full gradient. Hand each tensor's gradient "
         "over with ``add_grad(name, grad)`` (once per micro-batch, in the same order on "
         "every rank) instead of writing ``grads``; a bucket is reduced into this rank's "
@@ -557,7 +350,7 @@ OPTIONS = (
         "grad_shard_dtype",
         "str | None",
         None,
-        _grad_shard_dtype,
+        check_grad_shard_dtype,
         doc="the gradient shard's dtype with ``shard_gradients``: None (the parameters') "
         "or ``'float32'`` (16-bit parameters: the exact fp32 sums, 2 bytes a parameter "
         "more per rank over N).",
@@ -573,7 +366,7 @@ OPTIONS = (
         "grad_staging",
         "int",
         DEFAULT_STAGING,
-        _grad_staging,
+        check_grad_staging,
         doc="staging buckets with ``shard_gradients`` (at least 1).",
         values=Values("integer", low=1, other=3, needs=(("shard_gradients", True),)),
     ),

@@ -29,7 +29,13 @@ if TYPE_CHECKING:
     from ..comm.communicator import Request
     from ..flat.layout import Bucket
 
-__all__ = ["GradientShards"]
+__all__ = [
+    "GradientShards",
+    "DEFAULT_STAGING",
+    "check_shard_gradients",
+    "check_grad_shard_dtype",
+    "check_grad_staging",
+]
 
 FP32 = np.dtype(np.float32)
 
@@ -338,3 +344,50 @@ class GradientShards:
                 self._xp.add(shard, block, out=shard, dtype=shard.dtype)
         self._reduced[index] += 1
         self._free.append(slot)
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+#: Staging buckets of stage 2: one bucket filling while the one before it is reduced (the
+#: order of a backward pass); a bucket waiting for a late tensor holds one the while.
+DEFAULT_STAGING = 2
+
+
+def check_shard_gradients(value, checked):
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients sharded too) or False"
+        )
+    return value
+
+
+def check_grad_shard_dtype(value, checked):
+    if not checked["shard_gradients"]:
+        if value is not None:
+            raise ValueError(
+                f"grad_shard_dtype={value!r} sets the gradient shard of "
+                "shard_gradients=True: pass that too, or drop it"
+            )
+        return None
+    if value is None:
+        return checked["param_dtype"]
+    if value not in ("float32", np.float32) and getattr(value, "name", None) != "float32":
+        raise ValueError(
+            f"grad_shard_dtype={value!r} is not supported: None (the "
+            "parameters' dtype) or 'float32'"
+        )
+    return np.dtype(np.float32)
+
+
+def check_grad_staging(value, checked):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"grad_staging={value!r} must be an integer >= 1 (staging buckets of "
+            f"gradients; default {DEFAULT_STAGING})"
+        )
+    if value != DEFAULT_STAGING and not checked["shard_gradients"]:
+        raise ValueError(
+            f"grad_staging={value!r} sets the staging buckets of shard_gradients=True: "
+            "pass that too, or drop it"
+        )
+    return value

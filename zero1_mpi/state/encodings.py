@@ -30,6 +30,7 @@ __all__ = [
     "CODES",
     "BOUNDS",
     "sr_bits",
+    "check_state_dtype",
 ]
 
 FP32 = np.dtype(np.float32)
@@ -581,3 +582,15 @@ _CUDA8: dict[str, tuple[str, str, str]] = {
 
 def _cuda_kernel8(name: str):
     return backend.elementwise_kernel(f"zero1_state_int8_{name}", *_CUDA8[name])
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+
+def check_state_dtype(value, checked):
+    if value not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype={value!r} is not understood: use 'float32', 'bfloat16' (the rule's "
+            "state in 2 bytes, rounded stochastically) or 'int8' (8-bit blocks)"
+        )
+    return value

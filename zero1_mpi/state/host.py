@@ -13,6 +13,7 @@ over threads, bitwise the one-thread kernel.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import weakref
 from collections import deque
@@ -31,6 +32,9 @@ __all__ = [
     "keeps_host_share",
     "resolve_threads",
     "each_tensor_sums",
+    "check_offload",
+    "check_offload_threads",
+    "check_offload_fraction",
 ]
 
 FP32 = np.dtype(np.float32)
@@ -407,3 +411,46 @@ class HostShard:
                 event.synchronize()
             done.append(index)
         return done
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+
+def check_offload(value, checked):
+    if value is not None and value != "cpu":
+        raise ValueError(
+            f"offload={value!r} is not understood: use 'cpu' (master weights and "
+            "the rule's state on the host) or None (all on the parameters' device)"
+        )
+    if value is not None and checked["gather_dtype"] is not None:
+        raise ValueError(
+            f"offload={value!r} with gather_dtype={checked['gather_dtype']!r} is not "
+            "supported yet: choose one"
+        )
+    return value
+
+
+def check_offload_threads(value, checked):
+    if checked["offload"] is None:
+        if value is not None:
+            raise ValueError(
+                f"offload_threads={value!r} sets the host kernel's threads, which "
+                "only offload='cpu' has: pass offload='cpu' too, or drop it"
+            )
+        return None
+    return resolve_threads(value, len(checked["node"]))
+
+
+def check_offload_fraction(value, checked):
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or not 0.0 <= value <= 1.0:  # (nan fails the comparison too)
+        raise ValueError(
+            f"offload_fraction={value!r} must be a number from 0 to 1: the share of this "
+            "rank's master weights and state kept and updated on the host"
+        )
+    if checked["offload"] is None and value != 1.0:
+        raise ValueError(
+            f"offload_fraction={value!r} sets the share that offload='cpu' moves to the "
+            "host: pass offload='cpu' too, or drop it"
+        )
+    return float(value) + 0.0  # (-0.0 is 0)

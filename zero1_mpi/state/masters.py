@@ -17,8 +17,9 @@ import numpy as np
 
 from ..kernels import backend
 from ..kernels.numba_shared import compile_marked, jit
+from .host import keeps_host_share
 
-__all__ = ["Fp32Masters", "RemainderMasters", "masters_for", "TIE"]
+__all__ = ["Fp32Masters", "RemainderMasters", "masters_for", "TIE", "MASTERS", "check_masters"]
 
 FP32 = np.dtype(np.float32)
 #: The remainder of a tie (half a bf16 step above an even parameter): stored as ``-TIE``.
@@ -233,3 +234,42 @@ _CUDA: dict[str, tuple[str, str, str]] = {
 
 def _cuda_kernel(name: str):
     return backend.elementwise_kernel(f"zero1_remainder_{name}", *_CUDA[name])
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+MASTERS = ("auto", "fp32", "remainder")
+
+
+def check_masters(value, checked):
+    if value not in MASTERS:
+        raise ValueError(
+            f"masters={value!r} is not understood: use 'auto' (remainders where they apply, "
+            "else fp32), 'fp32' or 'remainder' (bfloat16 parameters: 2 bytes a master)"
+        )
+    dtype, why = checked["param_dtype"], None
+    if dtype == np.float32:
+        why = "param_dtype is float32, whose shard is its own master"
+    elif dtype == np.float16:
+        why = (
+            "param_dtype is float16, whose 5 exponent bits do not span fp32's: a master is "
+            "not its float16 rounding and 16 more bits (2**-30 rounds to 0)"
+        )
+    elif checked["offload"] is not None and checked["offload_fraction"] == 1:
+        why = (
+            "offload='cpu' keeps every master on the host, as fp32 (with offload_fraction "
+            "below 1 the device's part may be remainders)"
+        )
+    elif checked["gather_dtype"] is not None:
+        why = (
+            "gather_dtype='int8' keeps an approximation of the parameters, and a remainder "
+            "completes the exact one"
+        )
+    if value == "remainder" and why:
+        raise ValueError(
+            f"masters='remainder' keeps the 16 bits a bfloat16 parameter lacks, but {why}: "
+            "use masters='fp32' (or 'auto')"
+        )
+    if value == "auto" and keeps_host_share(checked["offload"], checked["offload_fraction"]):
+        return "fp32"  # (the memory tool's tables count offload so too)
+    return "remainder" if value != "fp32" and not why else "fp32"

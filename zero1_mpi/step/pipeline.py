@@ -21,7 +21,7 @@ from ..flat.inputs import group_options
 from ..rules.options import number
 from .records import Agreement, Counters, StepInfo
 
-__all__ = ["StepPipeline", "CLIP_EPS"]
+__all__ = ["StepPipeline", "CLIP_EPS", "check_max_grad_norm"]
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
 
@@ -225,3 +225,21 @@ class StepPipeline:
         """A 20-bit digest of every group's options, to compare across ranks."""
         text = repr([group_options(g, self.rule) for g in self.counters.param_groups]).encode()
         return int(hashlib.sha256(text).hexdigest()[:5], 16)
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+
+def check_max_grad_norm(value, checked):
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"max_grad_norm={value!r} must be a finite number > 0, or None for no clipping"
+        )
+    return float(value)

@@ -21,7 +21,18 @@ from ..comm.communicator import DONE, Request
 from ..kernels import backend
 from .codec import packed_bytes
 
-__all__ = ["Quantizer", "GroupExchange", "AcrossGroups", "GradientWire", "FP32"]
+__all__ = [
+    "Quantizer",
+    "GroupExchange",
+    "AcrossGroups",
+    "GradientWire",
+    "FP32",
+    "REDUCE_DTYPES",
+    "COMPRESS_HOPS",
+    "check_reduce_dtype",
+    "check_compress_hops",
+    "check_error_feedback",
+]
 
 FP32 = np.dtype(np.float32)
 
@@ -258,3 +269,53 @@ class GradientWire:
         for part in self._parts:
             if part.quantizer is not None:
                 part.quantizer.rescale(factor)
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+REDUCE_DTYPES = ("float32", "float16", "int8")
+COMPRESS_HOPS = ("all", "across")
+
+
+def check_reduce_dtype(value, checked):
+    try:
+        name = value if isinstance(value, str) else np.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in REDUCE_DTYPES:
+        raise ValueError(
+            f"reduce_dtype={value!r} is not supported: use 'float32' (default), 'int8' "
+            "(8-bit blocks on the wire) or 'float16' (float16 parameters only)"
+        )
+    dtype = checked["param_dtype"]
+    if name == "float16" and dtype != np.float16:
+        raise ValueError(
+            f"reduce_dtype='float16' needs float16 gradients, but param_dtype is "
+            f"{dtype.name}: use reduce_dtype='float32'"
+        )
+    return name
+
+
+def check_compress_hops(value, checked):
+    if value not in COMPRESS_HOPS:
+        raise ValueError(
+            f"compress_hops={value!r} is not understood: use 'all' (every hop of the "
+            "reduction in 8 bits) or 'across' (only the sum across shard groups)"
+        )
+    if value == "across" and checked["reduce_dtype"] != "int8":
+        raise ValueError(
+            f"compress_hops='across' chooses which hops reduce_dtype='int8' compresses, but "
+            f"reduce_dtype is {checked['reduce_dtype']!r}: pass reduce_dtype='int8' too"
+        )
+    return value
+
+
+def check_error_feedback(value, checked):
+    if not isinstance(value, bool):
+        raise ValueError(f"error_feedback={value!r} must be True or False")
+    if value and checked["reduce_dtype"] != "int8":
+        raise ValueError(
+            "error_feedback=True keeps what 8-bit quantizing drops, but reduce_dtype is "
+            f"{checked['reduce_dtype']!r}: pass reduce_dtype='int8' too, or drop it"
+        )
+    return value

@@ -21,7 +21,7 @@ import numpy as np
 from ..comm.watchdog import Watchdog
 from .codec import packed_bytes
 
-__all__ = ["ParamGathers", "QuantizedGathers", "param_gathers"]
+__all__ = ["ParamGathers", "QuantizedGathers", "param_gathers", "check_gather_dtype"]
 
 
 class ParamGathers:
@@ -164,3 +164,23 @@ def param_gathers(options, layout, params, shard_comm, watch: Watchdog, xp, kind
         largest = layout.largest_shard
         return QuantizedGathers(layout, params, shard_comm, watch, xp, codec_for(kind, largest))
     return ParamGathers(layout, params, shard_comm, watch)
+
+
+# -- the engine options this module owns (declared in config/options.py) ---------------
+
+
+def check_gather_dtype(value, checked):
+    if value is None:
+        return None
+    if value != "int8":
+        raise ValueError(
+            f"gather_dtype={value!r} is not understood: use None (the parameters' dtype) "
+            "or 'int8' (each step's change in 8-bit blocks)"
+        )
+    if checked["param_dtype"] == np.float32:
+        raise ValueError(
+            "gather_dtype='int8' needs 16-bit parameters (fp32 masters apart from them), "
+            "but param_dtype is float32, whose shard is its own master: pass "
+            "param_dtype='bfloat16' or 'float16', or drop gather_dtype"
+        )
+    return value
