@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from zero1_mpi import Communicator, ShardedOptimizer, ZeroAdamW, ZeroSGD
-from zero1_mpi.config import options
+from zero1_mpi.config import generated, options
 from zero1_mpi.rules.registry import builtin_rules
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +26,12 @@ CLASSES = [ShardedOptimizer] + [e.optimizer for e in builtin_rules().values()] +
 def test_signatures_and_help_come_from_the_declaration(cls):
     keyword_only = [p for p in inspect.signature(cls).parameters.values()
                     if p.kind is p.KEYWORD_ONLY and p.name in options._BY_NAME]
-    assert keyword_only == options.signature_parameters()
+    assert keyword_only == generated.signature_parameters()
     assert not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
-    assert options.docstring_section() in cls.__doc__
+    assert generated.docstring_section() in cls.__doc__
     for option in options.OPTIONS:
         assert f"{option.name}:" in cls.__doc__
-    section = options.docstring_section().splitlines()[1:]  # each option a hanging paragraph
+    section = generated.docstring_section().splitlines()[1:]  # each option a hanging paragraph
     assert max(map(len, section)) <= 92  # the project's 96 columns, less the class's indent
     assert all(line.startswith(" " * 8) and not line.startswith(" " * 9) or
                line.startswith(" " * 12) and not line.startswith(" " * 13) for line in section)

@@ -1,8 +1,8 @@
 """python tools/docs_options.py [--check]
 
-Writes the engine options' list of docs/api.md (between ``zero1_mpi.config.options.MARKERS``) from
-their one declaration, ``zero1_mpi.config.options.OPTIONS``; ``--check`` only says whether it is
-current (exit status 1 if not; tests/test_structure.py checks the same).
+Writes the engine options' list of docs/api.md (between ``zero1_mpi.config.generated.MARKERS``)
+from their one declaration, ``zero1_mpi.config.options.OPTIONS``; ``--check`` only says whether it
+is current (exit status 1 if not; tests/test_structure.py checks the same).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from zero1_mpi.config.options import MARKERS, markdown  # noqa: E402
+from zero1_mpi.config.generated import MARKERS, markdown  # noqa: E402
 
 API = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 

@@ -1,9 +1,8 @@
 """The engine's options, each declared once: name, type, default, check and what it does.
 
-``OPTIONS`` is the one declaration. From it come the keyword-only parameters of every optimizer's
-signature (``signature_parameters``), the "Engine options" section of their docstrings
-(``docstring_section``: ``help()``), the option list of docs/api.md (``markdown``), the record
-the ranks compare (``EngineOptions.agreed``) and ``repr(opt)`` (``describe``).
+``OPTIONS`` is the one declaration; ``generated.py`` makes the signatures, ``help()``, the list
+of docs/api.md and ``repr(opt)`` from it, and ``EngineOptions.agreed`` the record the ranks
+compare.
 ``check_options(given, context)`` runs the checks in declaration order, each the feature's own
 (``state.host.check_offload``, ...; it may read the options before it and the context: the
 arrays, the communicator, this node's ranks) and returns an ``EngineOptions``; a bad value
@@ -14,8 +13,6 @@ agrees on errors and values across ranks.
 from __future__ import annotations
 
 import difflib
-import inspect
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,11 +55,6 @@ __all__ = [
     "EngineOptions",
     "check_options",
     "python_scalar",
-    "signature_parameters",
-    "docstring_section",
-    "markdown",
-    "describe",
-    "MARKERS",
     "DEFAULT_STAGING",
     "REDUCE_DTYPES",
 ]
@@ -330,7 +322,8 @@ OPTIONS = (
         "or ``'bfloat16'`` (2 bytes each, rounded stochastically with bits drawn from the "
         "parameter's index and the step: the same on every rank count) or ``'int8'`` (8-bit "
         "codes of the dynamic map of 8-bit Adam with an fp32 scale per 256 values, about 1 "
-        "byte each; tensors under 4096 elements keep fp32). ``zero1_mpi.state.encodings``. "
+        "byte each; tensors under 4096 elements keep fp32). ``zero1_mpi.state.encodings``, "
+        "``zero1_mpi.state.int8_blocks``. "
         "Checkpoints hold fp32 state either way; offloaded, the host keeps its part so too.",
         values=Values("choice", choices=STATE_DTYPES, other="bfloat16"),
     ),
@@ -430,83 +423,6 @@ def python_scalar(value):
     if isinstance(value, (np.bool_, np.integer, np.floating)):
         return value.item()
     return value
-
-
-def signature_parameters() -> list[inspect.Parameter]:
-    """The options as keyword-only parameters, with their defaults and types."""
-    return [
-        inspect.Parameter(
-            o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type
-        )
-        for o in OPTIONS
-    ]
-
-
-def docstring_section(indent: int = 4) -> str:
-    """The "Engine options (keyword-only):" section of the optimizers' docstrings."""
-    pad = " " * indent
-    lines = [f"{pad}Engine options (keyword-only):"]
-    for o in OPTIONS:
-        lines += textwrap.wrap(
-            f"{o.name}: {o.doc}",
-            96 - indent,
-            initial_indent=pad * 2,
-            subsequent_indent=pad * 3,
-            break_on_hyphens=False,
-        )
-    return "\n".join(lines)
-
-
-#: The lines of docs/api.md between which ``markdown()`` stands (tools/docs_options.py).
-MARKERS = (
-    "<!-- engine options: generated from zero1_mpi.config.options.OPTIONS -->",
-    "<!-- end of engine options -->",
-)
-
-
-def markdown() -> str:
-    """The options as the Markdown list of docs/api.md (between its ``MARKERS``)."""
-    return "\n".join(
-        textwrap.fill(
-            f"- `{o.name}` (`{o.type}`, default `{o.default!r}`): {o.doc.replace('``', '`')} "
-            f"Takes {o.values.describe()}{'; may differ between ranks' if o.local else ''}.",
-            96,
-            subsequent_indent="  ",
-            break_on_hyphens=False,
-        )
-        for o in OPTIONS
-    )
-
-
-def describe(opt) -> str:
-    """``repr`` of an optimizer ``opt``: its rule and the rule's settings, N, the shard groups,
-    the stage, the dtypes and offload, then each param group's options (as torch's optimizers
-    print them), and whether it was closed."""
-    o, settings = opt.options, {k: v for k, v in opt.rule.settings().items() if k != "rule"}
-    extra = "".join(f", {k}={v!r}" for k, v in settings.items())
-    n, k = opt.world_size, o.shard_group_size
-    stage = (
-        "stage 2, grad_shard_dtype=" + o.grad_shard_dtype.name if o.shard_gradients else "stage 1"
-    )
-    wire = "".join(
-        f", {name}={getattr(o, name)!r}"
-        for name, plain in (
-            ("compress_hops", "all"),
-            ("error_feedback", False),
-            ("gather_dtype", None),
-        )
-        if getattr(o, name) != plain
-    )
-    fraction = f", offload_fraction={o.offload_fraction:g}" if o.offload_fraction != 1 else ""
-    lines = [
-        f"{type(opt).__name__} (rule {opt.rule.name!r}{extra}; N={n}, shard_group_size="
-        f"{k} ({n // k} replicas), {stage}, param_dtype={o.param_dtype.name}, "
-        f"reduce_dtype={o.reduce_dtype}{wire}, offload={o.offload!r}{fraction})"
-    ]
-    for index, group in enumerate(opt.param_groups):
-        lines.append(f"Parameter Group {index} ({len(group['names'])} tensors)")
-        lines += [f"    {key}: {group[key]!r}" for key in opt.rule.options]
-    return "\n".join(lines + (["(closed)"] if opt.closed else []))
 
 
 def _plain(value):
