@@ -1,4 +1,5 @@
-"""The rule's state in bf16 and in 8 bits (``state_dtype``, ``zero1_mpi.state.encodings``).
+"""The rule's state in bf16 and in 8 bits (``state_dtype``, ``zero1_mpi.state.encodings``,
+``zero1_mpi.state.int8_blocks``).
 
 In one process: the NumPy and Numba twins round stochastically bit for bit as the integer model
 ``reference.sr_bf16`` (every magnitude, inf, nan, any start), the rounding is unbiased, and the
@@ -16,7 +17,8 @@ import pytest
 import reference as ref
 from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdamW
-from zero1_mpi.state.encodings import BOUNDS, CODES, Bf16State, Int8State
+from zero1_mpi.state.encodings import Bf16State
+from zero1_mpi.state.int8_blocks import BOUNDS, CODES, Int8State
 
 KINDS = ["numpy", "numba"]
 

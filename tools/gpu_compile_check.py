@@ -238,7 +238,7 @@ def drive(recorder):
     """
     from zero1_mpi.state.masters import _cuda_kernel
     from zero1_mpi.state.encodings import _cuda_kernel as bf16_kernel
-    from zero1_mpi.state.encodings import _cuda_kernel8 as int8_kernel
+    from zero1_mpi.state.int8_blocks import _cuda_kernel8 as int8_kernel
     from zero1_mpi.kernels.local_sums import reductions_for
     from zero1_mpi.rules.registry import builtin_rules
     from zero1_mpi.wire.codec import codec_for, packed_bytes

@@ -32,7 +32,7 @@ import reference as ref
 from casekit import check, rank, size, world
 from zero1_mpi import ZeroAdamW
 from zero1_mpi.kernels.backend import BFLOAT16
-from zero1_mpi.state.encodings import CODES, MIN_8BIT_SIZE, STATE_BLOCK
+from zero1_mpi.state.int8_blocks import CODES, MIN_8BIT_SIZE, STATE_BLOCK
 
 parser = argparse.ArgumentParser()
 parser.add_argument("directory", type=Path)
