@@ -20,6 +20,15 @@ import numpy as np
 import torch
 
 from .bindings.common import PassThrough, optimizer_class
+from .bindings.torch_binding import (
+    Binding,
+    binding_problem,
+    check_unbound,
+    install_hooks,
+    repair_grad,
+    repair_grads,
+    use_device_of,
+)
 from .bindings.torch_compat import (
     BOUND,
     OWNER,
@@ -124,10 +133,10 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
                 "all-gather: pass the nn.Module itself, or module=model"
             )
         named = {name: p for group in groups for name, p in group["params"].items()}
-        _check_unbound(named)
+        check_unbound(named)
         cls = optimizer_class(rule)
         options = torch_options(cls, options)
-        _use_device_of(named)
+        use_device_of(named)
         arrays = [
             {**group, "params": {name: as_array(p) for name, p in group["params"].items()}}
             for group in groups
@@ -140,7 +149,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         self.sharded_gradients = sharded.grad_shard_dtype is not None
         self._end_queued = False  # the end-of-backward callback (stage 2)
         # name -> (parameter, its data pointer, its .grad view, pointer)
-        self._binding: dict[str, tuple[Any, int, Any, Any]] = {}
+        self._binding: Binding = {}
         for name, p in named.items():  # from here on the model reads and writes the buffers
             p.data = as_tensor(sharded.params[name])
             grad = None if self.sharded_gradients else as_tensor(sharded.grads[name])
@@ -148,22 +157,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             self._binding[name] = (p, p.data_ptr(), grad, grad is not None and grad.data_ptr())
             setattr(p, OWNER, weakref.ref(self))
         BOUND.add(self)
-        self._hooks = []
-        ref = weakref.ref(self)
-        if overlap or self.sharded_gradients:
-            method = "_hand_over" if self.sharded_gradients else "_grad_ready"
-            for name, p in named.items():
-                self._hooks.append(
-                    p.register_post_accumulate_grad_hook(
-                        lambda p, name=name: _call(ref, method, name)
-                    )
-                )
-        if overlap and module is not None:  # (overlap without a module raised above)
-            self._hooks.append(module.register_forward_pre_hook(lambda *_: _call(ref, "wait")))
-            if hasattr(module, "register_state_dict_pre_hook"):
-                self._hooks.append(
-                    module.register_state_dict_pre_hook(lambda *_, **__: _call(ref, "wait"))
-                )
+        self._hooks = install_hooks(self, named, module, overlap, self.sharded_gradients)
         rule_options = sharded.rule.options
         self._building = True
         super().__init__(
@@ -307,9 +301,9 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         ``param_groups`` handed to the core (values a checkpoint cannot hold left out: a
         signal's checkpoint goes without them); a problem found, for the step to raise on
         every rank."""
-        problem = None if self.sharded_gradients else self._repair_grads()
+        problem = None if self.sharded_gradients else repair_grads(self._binding)
         self._push_groups(strict=False)
-        return problem or self._binding_problem()
+        return problem or binding_problem(self._binding, self.module)
 
     def _push_groups(self, strict: bool = True) -> None:
         """``push_groups`` to the core; ``strict``: what a checkpoint cannot hold raises on
@@ -347,7 +341,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             return
         p, _, grad, _ = self._binding[name]
         if p.grad is not grad:
-            self._repair_grad(name)
+            repair_grad(self._binding, name)
         try:
             self.sharded.grads_ready([name])
         except ValueError as exc:
@@ -355,101 +349,6 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
                 f"{exc}. With overlap=True, run every backward before the last "
                 "of a step inside `with opt.no_sync():`"
             ) from None
-
-    def _repair_grads(self) -> str | None:
-        for name, (p, _, grad, _) in self._binding.items():
-            if p.grad is not grad:
-                problem = self._repair_grad(name)
-                if problem:
-                    return problem
-        return None
-
-    def _repair_grad(self, name: str) -> str | None:
-        """Put a ``.grad`` that was set to None (``model.zero_grad()``) or replaced back into
-        the buffer: its values (zeros for None) go into the view, which becomes ``.grad``."""
-        p, _, grad, _ = self._binding[name]
-        if p.grad is None:
-            grad.zero_()
-        elif (
-            p.grad.shape != grad.shape or p.grad.dtype != grad.dtype or p.grad.device != grad.device
-        ):
-            return (
-                f"the .grad of parameter {name!r} was replaced by a {p.grad.dtype} tensor "
-                f"of shape {tuple(p.grad.shape)} on {p.grad.device}, unlike the parameter "
-                f"({grad.dtype}, {tuple(grad.shape)}, {grad.device}): leave .grad to "
-                "autograd and opt.zero_grad()"
-            )
-        else:
-            grad.copy_(p.grad)
-        p.grad = grad
-        return None
-
-    def _binding_problem(self) -> str | None:
-        """A message if a bound parameter no longer lives in the flat buffers."""
-        for name, (p, data_ptr, grad, grad_ptr) in self._binding.items():
-            if p.data_ptr() != data_ptr or (
-                grad is not None
-                and (
-                    p.dtype != grad.dtype or p.device != grad.device or grad.data_ptr() != grad_ptr
-                )
-            ):
-                return (
-                    f"parameter {name!r} no longer lives in the optimizer's buffers (it is "
-                    f"now {p.dtype} on {p.device}: the module was moved with .to(), "
-                    ".cuda(), .half(), ..., or p.data was replaced, after ZeroOptimizer "
-                    "bound it), so training would update a copy: move the model first, "
-                    "then build the optimizer (opt.unbind() and a new ZeroOptimizer to "
-                    "change device or dtype later)"
-                )
-        if self.module is not None:
-            current = dict(self.module.named_parameters())
-            for name, (p, _, _, _) in self._binding.items():
-                if name in current and current[name] is not p:
-                    return (
-                        f"parameter {name!r} of the module was replaced by a new tensor "
-                        "after ZeroOptimizer bound the old one, which it would go on "
-                        "training: assign values in place (with torch.no_grad(): "
-                        "p.copy_(...)) or build the optimizer after replacing it"
-                    )
-        return None
-
-
-def _call(ref, method: str, *args):
-    """Call ``method`` of the optimizer ``ref`` refers to, if it is alive and bound (hooks hold
-    no strong reference: a dropped optimizer does not live on in its model)."""
-    opt = ref()
-    if opt is not None and opt.sharded is not None:
-        getattr(opt, method)(*args)
-
-
-def _check_unbound(named: dict) -> None:
-    for name, p in named.items():
-        owner = getattr(p, OWNER, lambda: None)()
-        if owner is not None and owner.sharded is not None:
-            raise ValueError(
-                f"parameter {name!r} is already bound to another ZeroOptimizer: "
-                "call its unbind() (or drop it) first"
-            )
-
-
-def _use_device_of(named: dict) -> None:
-    """Check that the parameters share one device; make a CUDA one CuPy's current device."""
-    devices = {p.device for p in named.values()}
-    if len(devices) > 1:
-        raise ValueError(
-            f"the parameters are on several devices {sorted(map(str, devices))}: "
-            "move the model to one device before building ZeroOptimizer"
-        )
-    (device,) = devices
-    if device.type == "cuda":
-        import cupy
-
-        cupy.cuda.Device(device.index).use()
-    elif device.type != "cpu":
-        raise ValueError(
-            f"parameters on {device}: zero1_mpi keeps them on the CPU (NumPy) or "
-            "a CUDA device (CuPy)"
-        )
 
 
 def _defaults(cls, keys, options: dict) -> dict:

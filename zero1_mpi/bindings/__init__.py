@@ -5,6 +5,8 @@
   interface passed through.
 - ``torch_compat.py``: torch's terms (param groups, ``torch.optim`` arguments, gradient
   clipping) to and from the core.
+- ``torch_binding.py``: the torch binding's checks (before binding and at each step) and its
+  autograd and module hooks.
 - ``jax_params.py``: a pytree of parameters made into the core's named groups.
 - ``optax_names.py``: optax's names of the rules' options.
 - ``schedules.py``: learning-rate schedules kept beside the core's param groups.

@@ -2,8 +2,8 @@
 bucket into this rank's gradient shard, so that no rank holds the full gradient.
 
 ``GradientShards.add(name, grad)`` copies a tensor's gradient into its bucket's staging slot
-(a small pool); once every tensor of the bucket is in, the bucket is reduced over the shard
-group (as stage 1 reduces it) and its shard added into this rank's gradient shard, which sums
+(a small pool); once every tensor of the bucket is in, ``BucketReduction`` reduces it over the
+shard group (as stage 1 does) and adds its shard into this rank's gradient shard, which sums
 the micro-batches of a step. Reductions start in the order buckets fill, so every rank must
 hand the same tensors over in the same order; ``order_digest`` lets the step check that. Bad
 hand-overs are kept as ``problem`` (the tensor counts as zeros) for the step to raise on every
@@ -26,7 +26,7 @@ from ..kernels import backend
 from ..wire.gradient_exchange import GradientWire
 
 if TYPE_CHECKING:
-    from ..comm.communicator import Request
+    from ..comm.started import Request
     from ..flat.layout import Bucket
 
 __all__ = [
@@ -85,10 +85,10 @@ class GradientShards:
         slots: int,
         watch: Watchdog,
     ):
-        self.layout, self._xp, self.watch = layout, xp, watch
+        self.layout, self.watch = layout, watch
         self._world = topology.comm
         self._comm = topology.shard_comm
-        self._exchange, self._across_groups = exchange, across
+        self._across_groups = across
         #: Both, for the ledger and the step (``exchange.GradientWire``).
         self.wire = GradientWire(exchange, across)
         #: This rank's gradient shard (the gradients it holds): ``buffer`` too.
@@ -96,8 +96,9 @@ class GradientShards:
         largest = max(b.size for b in layout.buckets)
         count = max(1, min(slots, len(layout.buckets)))
         self._slots = xp.zeros((count, largest), param_dtype)
-        # the exchange's fp32 sum of a bucket's shard, added into a 16-bit or later shard
-        self._scratch: Any = xp.empty(layout.largest_shard, FP32) if exchange else None
+        self._reduction = BucketReduction(
+            xp, self.shard, self._slots, self._comm, exchange, layout.largest_shard, watch
+        )
         self._tensors = {t.name: t for t in layout.tensors}
         self._bucket_tensors = [
             [t.name for t, _, _ in layout.pieces(b.offset, b.offset + b.used)]
@@ -123,8 +124,7 @@ class GradientShards:
     @property
     def scratch_bytes(self) -> int:
         """Bytes of the staging slots, the exchange and the sums: a few buckets, whatever Ψ."""
-        own = sum(0 if a is None else a.nbytes for a in (self._slots, self._scratch))
-        return own + self.wire.scratch_bytes
+        return self._slots.nbytes + self._reduction.scratch_bytes + self.wire.scratch_bytes
 
     @property
     def feedback_bytes(self) -> int:
@@ -308,22 +308,49 @@ class GradientShards:
                     - bucket.offset
                 ] = 0
         self._filled[index] = set()
-        if self._comm.size == 1:
-            request = None
-        elif self._exchange is not None:
-            request = self._exchange.start(slot, grads, bucket.offset)
-        else:
-            request = self._comm.start_reduce_scatter(grads)
-        self._in_flight.append((index, slot, request))
+        self._in_flight.append((index, slot, self._reduction.start(bucket, slot)))
 
     def _finish(self, entry) -> None:
         """Complete a reduction and add its result into the shard; free its slot."""
         index, slot, request = entry
-        bucket = self.layout.buckets[index]
+        first = not self._reduced[index]
+        self._reduction.finish(self.layout.buckets[index], slot, request, first)
+        self._reduced[index] += 1
+        self._free.append(slot)
+
+
+class BucketReduction:
+    """A staged bucket reduced over the shard group and added into the gradient shard: by the
+    exchange (rows summed here in fp32, as stage 1 sums them) or by MPI's reduce-scatter in the
+    gradients' dtype; a shard group of one rank reduces nothing. ``GradientShards`` chooses the
+    bucket, its staging slot (a row of ``slots``) and when; all ranks start the same ones."""
+
+    def __init__(self, xp, shard, slots, comm, exchange, largest_shard: int, watch: Watchdog):
+        self._xp, self._shard, self._slots = xp, shard, slots
+        self._comm, self._exchange, self.watch = comm, exchange, watch
+        # the exchange's fp32 sum of a bucket's shard, added into a 16-bit or later shard
+        self._scratch: Any = xp.empty(largest_shard, FP32) if exchange else None
+
+    @property
+    def scratch_bytes(self) -> int:
+        return 0 if self._scratch is None else self._scratch.nbytes
+
+    def start(self, bucket: Bucket, slot: int) -> Request | None:
+        """Start reducing ``bucket`` from staging slot ``slot``; None: nothing to wait for."""
+        grads = self._slots[slot, : bucket.size]
+        if self._comm.size == 1:
+            return None
+        if self._exchange is not None:
+            return self._exchange.start(slot, grads, bucket.offset)
+        return self._comm.start_reduce_scatter(grads)
+
+    def finish(self, bucket: Bucket, slot: int, request: Request | None, first: bool) -> None:
+        """Complete ``request`` and add its result into ``bucket``'s shard (``first``: the
+        step's first reduction of the bucket, which replaces what the shard holds)."""
         if request is not None:
-            self.watch.phase, self.watch.bucket = "reduce", index
+            self.watch.phase, self.watch.bucket = "reduce", bucket.index
             request.wait()
-        shard, first = self.shard[bucket.state], not self._reduced[index]
+        shard = self._shard[bucket.state]
         if self._exchange is not None:
             if first and shard.dtype == FP32:
                 self._exchange.finish(slot, bucket.size, shard)  # stage 1's sum, bit for bit
@@ -342,8 +369,6 @@ class GradientShards:
                 shard[...] = block
             else:
                 self._xp.add(shard, block, out=shard, dtype=shard.dtype)
-        self._reduced[index] += 1
-        self._free.append(slot)
 
 
 # -- the engine options this module owns (declared in config/options.py) ---------------
