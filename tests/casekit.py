@@ -412,13 +412,13 @@ def watchdog_thread(opt):
 
 def persistent_requests(comm) -> int:
     """How many persistent requests a ``zero1_mpi.Communicator`` holds."""
-    return len(comm._persistent)
+    return len(comm.started)
 
 
 def host_kernel_scratch(opt) -> int:
     """The scratch bytes of ``opt``'s update kernel (with offload, the host kernel's)."""
     state = opt.state
-    return getattr(state, "host_kernel", state.kernel).scratch_bytes
+    return getattr(state.place, "host_kernel", state.place.kernel).scratch_bytes
 
 
 def reduce_now(opt) -> np.ndarray:

@@ -147,7 +147,7 @@ def check_optimizer_through_staging():
                 opt.step()
             results.append(kit.shard_arrays(opt)["params"].copy())
             if stage_host:
-                check(comm.staging_bytes > 0)
+                check(comm.routes.staging_bytes > 0)
     half = len(results) // 2
     for dtype, direct, staged in zip(("float32", "float16", "bfloat16"), results[:half],
                                      results[half:]):
@@ -209,11 +209,12 @@ def check_started_out_of_place():
             for i, buf in enumerate(bufs):
                 check(np.array_equal(buf[:block], want * (step + i + 1)),
                       f"out of place, persistent={comm.persistent}, step {step}, buffer {i}")
-        check(comm.block_bytes == 2 * block * 4, f"block_bytes {comm.block_bytes}")
+        check(comm.routes.block_bytes == 2 * block * 4, f"block_bytes {comm.routes.block_bytes}")
         comm.close(bufs[:1])
-        check(comm.block_bytes == block * 4, f"after close: block_bytes {comm.block_bytes}")
+        check(comm.routes.block_bytes == block * 4,
+              f"after close: block_bytes {comm.routes.block_bytes}")
         comm.free()
-        check(comm.block_bytes == 0, "free() kept the blocks")
+        check(comm.routes.block_bytes == 0, "free() kept the blocks")
     results = []
     for out_of_place in (False, True):
         comm = Communicator(world, reduce_out_of_place=out_of_place)
@@ -224,7 +225,7 @@ def check_started_out_of_place():
             opt.step()
         results.append(kit.shard_arrays(opt)["params"].copy())
         if out_of_place:
-            check(opt.memory_report().comm_scratch >= comm.block_bytes > 0,
+            check(opt.memory_report().comm_scratch >= comm.routes.block_bytes > 0,
                   "the out-of-place blocks are not in the memory report")
     check(np.array_equal(results[0], results[1]), "out of place differs from in place")
 

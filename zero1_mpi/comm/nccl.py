@@ -18,7 +18,8 @@ import socket
 import numpy as np
 
 from ..kernels import backend
-from .communicator import Communicator, Request
+from .communicator import Communicator
+from .started import Request
 
 __all__ = ["NcclCommunicator", "exchange_unique_id", "shared_gpu_error"]
 

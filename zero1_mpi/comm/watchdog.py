@@ -26,7 +26,7 @@ __all__ = ["Watchdog", "watched", "check_step_timeout", "EXIT_GRACE_SECONDS", "E
 
 EXIT_GRACE_SECONDS = 5.0  # from MPI Abort to os._exit, should Abort not end the process
 EXIT_STATUS = 1
-_WRITE_GRACE_SECONDS = 0.2  # after the message, before Abort (comm.ABORT_GRACE_SECONDS)
+_WRITE_GRACE_SECONDS = 0.2  # after the message, before Abort (comm.agreement.ABORT_GRACE_SECONDS)
 
 
 def check_step_timeout(value) -> float | None:

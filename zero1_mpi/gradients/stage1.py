@@ -24,7 +24,7 @@ from ..kernels import backend
 from ..wire.gradient_exchange import GradientWire
 
 if TYPE_CHECKING:
-    from ..comm.communicator import Request
+    from ..comm.started import Request
 
 __all__ = ["BucketPipeline"]
 

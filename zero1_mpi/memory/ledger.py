@@ -34,7 +34,7 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
     device = state.flat.nbytes + grads.nbytes + held - host_held
     padding = device - real["parameters"] - real["gradients"] - (sharded_real - host_real)
     device_scratch, host_scratch = state.scratch_bytes()
-    staging = comm.staging_bytes  # page-locked for CuPy parameters: the host's
+    staging = comm.routes.staging_bytes  # page-locked for CuPy parameters: the host's
     staged_on_host = staging if backend == "cupy" else 0
     return MemoryReport(
         **real,
@@ -45,7 +45,7 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         + device_scratch
         + staging
         - staged_on_host
-        + comm.block_bytes,
+        + comm.routes.block_bytes,
         psi=psi,
         group_size=layout.group_size,
         rank=state.shard_rank,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm.communicator import DONE, Request
+from ..comm.started import DONE, Request
 from ..kernels import backend
 from .codec import packed_bytes
 
