@@ -90,14 +90,15 @@ def test_a_closed_optimizer_raises_naming_close_and_close_is_idempotent():
 @pytest.mark.parametrize("engine", [{}, {"shard_gradients": True}, {"offload": "cpu"}])
 def test_the_parts_close_in_the_reverse_order_of_their_construction(engine):
     opt = ZeroAdamW({"w": np.ones(4, np.float32)}, MPI.COMM_SELF, lr=0.1, **engine)
+    placement = "OffloadedShare" if engine.get("offload") else "WithParams"
+    assert type(opt.state.place).__name__ == placement  # the state composes where it lives
     closed = []
     for part in opt._parts:  # in the order the optimizer built them
         part.close = (lambda close, name: lambda: (closed.append(name), close())[1])(
             part.close, type(part).__name__)
     opt.close()
     source = "GradientShards" if engine.get("shard_gradients") else "BucketPipeline"
-    state = "HostState" if engine.get("offload") else "ShardedState"
-    assert closed == ["Persistence", source, state, "Watchdog", "Topology"]
+    assert closed == ["Persistence", source, "ShardedState", "Watchdog", "Topology"]
 
 
 @pytest.mark.mpi_independent

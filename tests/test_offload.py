@@ -25,7 +25,7 @@ from mpirun import SIBLING, run_mpi
 from zero1_mpi import ZeroAdam
 from zero1_mpi.kernels.backend import PARAM_DTYPES
 from zero1_mpi.flat.layout import build_layout
-from zero1_mpi.state.sharded import ShardRange
+from zero1_mpi.state.placement import ShardRange
 from zero1_mpi.state.masters import Fp32Masters
 from zero1_mpi.state.host import HostShard, ParamsAsMasters, DeviceHostRow, ThreadedKernel, each_tensor_sums, host_start, resolve_threads
 from zero1_mpi.state.encodings import Fp32State
@@ -199,7 +199,7 @@ def test_a_side_that_keeps_nothing_holds_no_buffers(mode):
     assert r.offloaded and r.host_state == 0 and r.offload_fraction == 0
     assert r.comm_scratch == plain.memory_report().comm_scratch
     assert r.host_scratch <= 64  # no slot or buffer of a shard's size: the kernel's scalars
-    assert tiny.state.host_kernel.threads == 1
+    assert tiny.state.place.host_kernel.threads == 1
 
 
 def test_memory_report_is_what_tracemalloc_measures():

@@ -1,7 +1,8 @@
 """The package's shape holds: no import loop (lazy imports counted), no import from a lower
 layer up, every module imports first (into an interpreter holding none of the package's
-modules), only ``comm.py`` imports mpi4py (and, tested on 4 ranks in tests/cases/mpi_calls.py,
-calls an mpi4py object), and the engine stays a small composer of parts with no branch on a
+modules), only ``zero1_mpi.comm`` imports mpi4py (and, tested on 4 ranks in
+tests/cases/mpi_calls.py, calls an mpi4py object), parts stay small (no module above 500 lines,
+no class above 300), and the engine stays a small composer of parts with no branch on a
 feature option. (Every rule is a complete ``Rule``: tests/test_rule_registry.py; the engine's
 options in every optimizer's signature: tests/test_options.py.)"""
 
@@ -24,7 +25,8 @@ from zero1_mpi.rules.registry import NAMES
 def needs_framework(name):
     """zero1_mpi.torch imports torch, zero1_mpi.transformers transformers too, which only their
     users install: skip them without."""
-    if name in ("zero1_mpi.torch", "zero1_mpi.bindings.torch_compat", "zero1_mpi.transformers"):
+    if name in ("zero1_mpi.torch", "zero1_mpi.bindings.torch_compat",
+                "zero1_mpi.bindings.torch_binding", "zero1_mpi.transformers"):
         pytest.importorskip("torch")
     if name == "zero1_mpi.transformers":
         pytest.importorskip("transformers")
@@ -99,20 +101,23 @@ LAYERS = (
         "gradients", "state", "persistence", "config", "step", "step.records"}),
     ("arrays and MPI", {
         "kernels.backend", "kernels.numba_shared", "kernels.local_sums", "comm",
-        "comm.communicator", "comm.capabilities", "flat.inputs", "wire.codec",
-        "state.encodings"}),
+        "comm.communicator", "comm.capabilities", "comm.agreement", "comm.started",
+        "comm.staging", "flat.inputs", "wire.codec",
+        "state.encodings", "state.int8_blocks"}),
     ("the engine's parts", {
         "comm.topology", "comm.nccl", "wire.gradient_exchange", "wire.param_gathers",
         "gradients.stage1", "gradients.stage2", "gradients.source", "state.host",
-        "state.masters", "state.sharded", "step.pipeline", "persistence.checkpoint",
-        "persistence.consolidated", "persistence.preemption", "persistence.on_disk",
-        "persistence.manifest", "persistence.publish", "config.options", "config.configure",
-        "memory.ledger"}),
+        "state.masters", "state.placement", "state.sharded", "step.pipeline",
+        "persistence.checkpoint", "persistence.consolidated", "persistence.preemption",
+        "persistence.on_disk",
+        "persistence.manifest", "persistence.publish", "config.options", "config.generated",
+        "config.configure", "memory.ledger"}),
     ("the engine", {"engine"}),
     ("the optimizers", {"rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
     ("the package, bindings and tools", {
-        "", "bindings.common", "torch", "bindings.torch_compat", "jax", "bindings.jax_params",
+        "", "bindings.common", "torch", "bindings.torch_compat", "bindings.torch_binding", "jax",
+        "bindings.jax_params",
         "cli.memory", "memory.__main__"}),
     ("integrations of the bindings", {"transformers"}),
 )
@@ -143,6 +148,23 @@ def test_the_engine_composes_parts_and_branches_on_no_feature():
             named = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)} | \
                     {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
             assert not named & features, f"engine.py:{node.lineno} branches on {named & features}"
+
+
+#: The most lines a module and a class of the package may have: a part above them has
+#: more than one job (split it where the jobs meet).
+MODULE_LINES, CLASS_LINES = 500, 300
+
+
+def test_no_module_above_500_lines_and_no_class_above_300():
+    too_long = []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        if len(source.splitlines()) > MODULE_LINES:
+            too_long.append(f"{name}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                too_long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long
 
 
 #: Run in one fresh interpreter: each module imported first, into an interpreter that holds none
@@ -181,8 +203,8 @@ def test_every_module_imports_first(name, first_imports):
     assert first_imports[name] is None, first_imports[name]
 
 
-#: The modules that import mpi4py: the communicator, and the library's version for its settings.
-MPI4PY_IMPORTERS = {"zero1_mpi.comm.communicator", "zero1_mpi.comm.capabilities"}
+#: The module that imports mpi4py (at its first use): what the MPI library is, and its ``MPI``.
+MPI4PY_IMPORTERS = {"zero1_mpi.comm.capabilities"}
 
 
 def test_only_comm_imports_mpi4py():
@@ -201,7 +223,7 @@ def test_only_comm_calls_mpi4py_objects(n, tmp_path):
     or duplicated from it) outside ``zero1_mpi.comm``: construction, overlapped steps,
     hierarchical groups, a layout mismatch, checkpoints and exports call none."""
     out = run_mpi(n, "mpi_calls.py", str(tmp_path), timeout=180).stdout
-    assert f"OK no mpi4py calls outside comm.py on {n} ranks" in out
+    assert f"OK no mpi4py calls outside zero1_mpi.comm on {n} ranks" in out
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

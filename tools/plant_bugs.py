@@ -47,13 +47,13 @@ BUGS = [
     bug("offload-early-gather", "partial offload: a bucket whose shard the cut splits starts its "
         "all-gather when its device part is done, before its host part is copied back",
         ["tests/test_offload.py::test_offloaded_equals_not_offloaded[3-None]"],
-        ("zero1_mpi/state/sharded.py",
+        ("zero1_mpi/state/placement.py",
          "        return [part.bucket.index] if part.b == part.bucket.shard_size else []",
          "        return [part.bucket.index]")),
     bug("offload-host-segments", "offload: the host part's 8-bit state quantizes the small "
         "tensors' pieces too (their segments lose the flag)",
         ["tests/test_offload.py::test_offloaded_equals_not_offloaded[3-None]"],
-        ("zero1_mpi/state/sharded.py",
+        ("zero1_mpi/state/placement.py",
          "        host_segments = [(a - cut, b - cut, q) for a, b, q in segments if a >= cut]",
          "        host_segments = [(a - cut, b - cut, True) for a, b, q in segments if a >= cut]")),
     bug("comm-split-settings", "comm: Communicator.split drops the explicit persistent/"
@@ -246,12 +246,13 @@ BUGS = [
     bug("int8-one-map", "8-bit state: every block takes the signed map (the unsigned one's "
         "finer codes are lost for the second moment)",
         ["tests/test_state_dtypes.py::test_8bit_state_equals_its_float64_model[numpy]"],
-        ("zero1_mpi/state/encodings.py", "        unsigned = np.minimum.reduceat(values, starts) >= 0\n",
+        ("zero1_mpi/state/int8_blocks.py",
+         "        unsigned = np.minimum.reduceat(values, starts) >= 0\n",
          "        unsigned = np.minimum.reduceat(values, starts) > np.inf\n")),
     bug("int8-numba-scale-sign", "8-bit state (Numba): the signed map's blocks keep a positive "
         "scale, so they decode with the unsigned map",
         ["tests/test_state_dtypes.py::test_8bit_state_twins_agree"],
-        ("zero1_mpi/state/encodings.py", "(amax if up else -amax)", "(amax if up else amax)")),
+        ("zero1_mpi/state/int8_blocks.py", "(amax if up else -amax)", "(amax if up else amax)")),
     bug("state-not-stored", "two-phase rules: the state their first phase updates is not kept "
         "(LAMB's moments stay at their start with bf16 or 8-bit state)",
         ["tests/test_state_dtypes.py::test_every_rule_against_its_model_on_n_ranks[3]"],

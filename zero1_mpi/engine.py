@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from .comm.topology import Topology
 from .comm.watchdog import Watchdog, watched
-from .config import options
+from .config import generated, options
 from .config.configure import configure
 from .flat.views import Closed, closed_error
 from .gradients.source import gradient_source
@@ -61,11 +61,11 @@ class ShardedOptimizer:
             self.topology = topology = Topology(setup.comm, o.shard_group_size, setup.owns_comm)
             #: Ends the job when a step's collectives hang (``step_timeout``); marks where.
             self.watchdog = watch = Watchdog(o.step_timeout, self.rank, self.comm.abort)
-            self.state = sharded_state(o, layout, topology, rule, xp, watch, self.wait, kernels)
+            self.state = sharded_state(o, layout, topology, rule, xp, watch, counters, kernels)
             self.state.seed(setup.arrays)
             self.gradients = gradient_source(o, layout, xp, topology, reductions, watch, kernels)
         state, grads = self.state, self.gradients
-        self.persistence = Persistence(self.comm, state, counters, self.wait, watch)
+        self.persistence = Persistence(self.comm, state, counters, watch)
         self._steps = StepPipeline(rule, state, grads, self.persistence, counters, reductions)
         #: Closed in reverse order by ``close()``.
         self._parts: list[_Part] = [topology, watch, state, grads, self.persistence]
@@ -140,13 +140,11 @@ class ShardedOptimizer:
         micro-batch has begun (an unused parameter's: hand it over as zeros)."""
         return self.gradients.missing()
 
-    @watched("gather", 0)
     def wait(self) -> None:
         """Complete the all-gathers that ``step(wait=False)`` left in flight. Reading
         ``opt.params[...]`` calls this; call it yourself before reading views kept elsewhere
         (for example a model's tensors that share the buffer)."""
-        with self.comm.abort_on_error("while gathering the parameters"):
-            self.state.wait()
+        self.state.wait()
 
     @watched("reduce", 1)
     def zero_grad(self) -> None:
@@ -281,7 +279,7 @@ class ShardedOptimizer:
         return False
 
     def __repr__(self) -> str:
-        return options.describe(self)
+        return generated.describe(self)
 
 
 class _Part(Protocol):
@@ -313,8 +311,8 @@ def with_engine_options(cls):
     both from ``options.OPTIONS`` (where they are declared once)."""
     own = inspect.signature(cls.__init__)
     kept = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    cls.__init__.__signature__ = own.replace(parameters=kept + options.signature_parameters())
-    cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n\n{options.docstring_section()}\n    "
+    cls.__init__.__signature__ = own.replace(parameters=kept + generated.signature_parameters())
+    cls.__doc__ = f"{(cls.__doc__ or '').rstrip()}\n\n{generated.docstring_section()}\n    "
     return cls
 
 

@@ -26,13 +26,13 @@ __all__ = ["Persistence"]
 
 
 class Persistence:
-    """The saves, loads and signal checkpoints of ``state`` and ``counters`` over ``comm``;
-    ``wait`` completes the all-gathers in flight (before the state is read), and ``watch``
-    (the step's ``Watchdog``) is disarmed while a step saves: file time is not a hang."""
+    """The saves, loads and signal checkpoints of ``state`` and ``counters`` over ``comm``
+    (the state's gathers in flight completed before it is read); ``watch`` (the step's
+    ``Watchdog``) is disarmed while a step saves: file time is not a hang."""
 
-    def __init__(self, comm, state, counters: Counters, wait, watch):
+    def __init__(self, comm, state, counters: Counters, watch):
         self._comm, self._state, self._counters = comm, state, counters
-        self._wait, self._watch = wait, watch
+        self._watch = watch
         self._pending: checkpoint.PendingSave | None = None
         self._snapshot: np.ndarray | None = None  # the host copy non-blocking saves write from
         self._on_signal: preemption.SignalCheckpoint | None = None
@@ -49,7 +49,7 @@ class Persistence:
         """``ShardedOptimizer.save``."""
         if blocking not in (True, False):
             raise ValueError(f"blocking={blocking!r} must be True or False")
-        self._wait()
+        self._state.wait()
         self.finish_save()  # raises the error of one that failed, also when a step finished it
         if blocking:
             return checkpoint.save(self._comm, self._state, self._counters, path, keep)
@@ -68,19 +68,19 @@ class Persistence:
 
     def load(self, path):
         """``ShardedOptimizer.load``."""
-        self._wait()
+        self._state.wait()
         if self._pending is not None and not self._pending.done:
             self.finish_save()  # (one a step finished and that failed: the next save raises)
         return checkpoint.load(self._comm, self._state, self._counters, path)
 
     def save_consolidated(self, path):
         """``ShardedOptimizer.save_consolidated``."""
-        self._wait()
+        self._state.wait()
         return export.save_consolidated(self._comm, self._state, self._counters, path)
 
     def load_consolidated(self, path):
         """``ShardedOptimizer.load_consolidated``."""
-        self._wait()
+        self._state.wait()
         return export.load_consolidated(self._comm, self._state, self._counters, path)
 
     def checkpoint_on_signal(

@@ -1,15 +1,19 @@
 """The sharded state: this rank's parameters, and for its shard the masters and the rule's state.
 
-- ``sharded.py``: ``ShardedState`` (on the parameters' device) and ``HostState`` (offloaded in
-  whole or in part): the arrays, the views, the update kernel over the shard, the gathers it
-  starts.
+- ``sharded.py``: ``ShardedState``: the parameter buffer and its views, what checkpoints read
+  and write, the update over the shard's parts, the gathers it starts.
+- ``placement.py``: where the shard lives: ``WithParams`` (beside the parameters) or
+  ``OffloadedShare`` (a share on the host): its parts, rows and kernels.
 - ``host.py``: the host side of offload: host arrays, the copies in flight, threaded kernels.
 - ``masters.py``: how the fp32 master weights are kept (fp32, or bf16 parameters' 16-bit
   remainders).
-- ``encodings.py``: how the rule's state arrays are kept (fp32, bf16 with stochastic rounding,
-  8-bit blocks).
+- ``encodings.py``: how the rule's state arrays are kept: fp32, bf16 with stochastic rounding;
+  ``state_for`` picks the encoding, ``check_state_dtype`` the option's check.
+- ``int8_blocks.py``: the 8-bit state: dynamic-map codes, an fp32 scale per block.
 
-A new state encoding goes in ``encodings.py``; a new place to keep the state, here.
+A new state encoding goes in a module of its own beside ``int8_blocks.py`` (``encodings.py``'s
+``STATE_DTYPES`` and ``state_for`` name it); a new place to keep the shard (a stage-3
+parameter shard, NVMe), beside ``placement.py``'s placements.
 """
 
 __all__: list[str] = []

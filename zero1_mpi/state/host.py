@@ -283,8 +283,8 @@ class HostShard:
         layout, shard_rank: the layout and this rank's place in its shard group.
         params: the flat parameter buffer (NumPy or CuPy): where ``push`` writes.
         mixed: 16-bit parameters (else fp32: the host master is what ``push`` sends).
-        parts: the host parts (``state.ShardRange``: ``[a, b)`` of this rank's shard of ``bucket``,
-            a distinct ``index`` each), the positions from ``start`` on, in bucket order.
+        parts: the host parts (``placement.ShardRange``: ``[a, b)`` of this rank's shard of
+            ``bucket``, a distinct ``index`` each), the positions from ``start`` on, in order.
     """
 
     def __init__(self, layout, shard_rank: int, params, mixed: bool, parts, start=0):

@@ -90,9 +90,8 @@ class StepPipeline:
             self.zero_grad()
         if wait:
             t0 = clock()
-            self.watch.arm(counters.step + 1, "gather")
-            with comm.abort_on_error("while gathering the parameters"):
-                self.state.wait()
+            self.watch.arm(counters.step + 1, "gather")  # (this step's, not the last one's)
+            self.state.wait()
             self.watch.disarm()
             gather += clock() - t0
         self.last_step_seconds = {
@@ -148,8 +147,7 @@ class StepPipeline:
         on them, the times the reduction began and ended; raises on every rank what any rank
         found."""
         comm = self.comm
-        with comm.abort_on_error("while gathering the parameters"):
-            self.state.wait()  # what step(wait=False) left in flight
+        self.state.wait()  # what step(wait=False) left in flight
         started = time.perf_counter()
         group_problem = self._check_param_groups()
         with comm.abort_on_error("in step() while reducing the gradients"):
