@@ -434,6 +434,6 @@ def feedback_residuals(opt) -> list:
     """The error-feedback residuals of ``opt``'s 8-bit wire (within the group, across the
     groups), as NumPy copies; empty without ``error_feedback``."""
     gradients = opt.gradients
-    parts = (gradients._exchange, gradients._across_groups)
+    parts = (gradients.wire.exchange, gradients.wire.across)
     return [to_numpy(p.quantizer.residual).copy() for p in parts
             if p is not None and p.quantizer is not None and p.quantizer.residual is not None]

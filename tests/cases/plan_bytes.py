@@ -66,10 +66,12 @@ class Spy(Communicator):
         super().__init__(comm, persistent=False)
         self.log = log
         self._comm = Counting(self._comm, log)
+        self.started.use(self._comm)  # the started collectives too
 
     def split(self, color):
         sub = super().split(color)
         sub._comm = Counting(sub._comm, self.log)
+        sub.started.use(sub._comm)
         return sub
 
 
