@@ -100,7 +100,8 @@ LAYERS = (
         "bindings.optax_names", "cli", "cli.plan", "plan", "kernels", "wire", "wire.sizes",
         "gradients", "state", "persistence", "config", "step", "step.records"}),
     ("arrays and MPI", {
-        "kernels.backend", "kernels.numba_shared", "kernels.local_sums", "comm",
+        "kernels.backend", "kernels.numba_shared", "kernels.numba_forms", "kernels.local_sums",
+        "comm",
         "comm.communicator", "comm.capabilities", "comm.agreement", "comm.started",
         "comm.staging", "flat.inputs", "wire.codec",
         "state.encodings", "state.int8_blocks"}),

@@ -241,8 +241,8 @@ BUGS = [
     bug("sr-ignores-step", "bf16 state: the stochastic rounding draws the same bits every step",
         ["tests/test_state_dtypes.py::test_rounding_is_unbiased_and_draws_by_index_step_and_array"
          "[numba]"],
-        ("zero1_mpi/state/encodings.py", "        seed = (flat * _INDEX + step * _STEP + ",
-         "        seed = (flat * _INDEX + 0 * _STEP + ")),
+        ("zero1_mpi/state/encodings.py", "        return (flat * _INDEX + step * _STEP + ",
+         "        return (flat * _INDEX + 0 * _STEP + ")),
     bug("int8-one-map", "8-bit state: every block takes the signed map (the unsigned one's "
         "finer codes are lost for the second moment)",
         ["tests/test_state_dtypes.py::test_8bit_state_equals_its_float64_model[numpy]"],

@@ -7,8 +7,12 @@ rule of --rule, each CPU kernel family of --kernels (``numpy``, ``numba``) or ``
 step time over --steps steps (gradients written before each step; the device synchronized
 after it), its ratio to the first mode's, measured in the same run and interleaved step by
 step so that the machine's drift falls on every mode alike, and the sharded bytes per
-parameter (``memory_report().optimizer_state / Ψ``: K). Example:
-python tools/bench.py state --params 16M --kernels numpy,numba
+parameter (``memory_report().optimizer_state / Ψ``: K). The update alone (the step's
+``update`` phase): its milliseconds, the bytes per element it must move as the masters and the
+state are stored (``moved_bytes``: the 16-bit gradient read, the parameter, the masters and each
+state array read and written), and the GB/s that makes as a share of the in-place stream
+(``a += b`` over fp32 arrays of Ψ elements, read a and b, write a) measured in the same run on
+the host. Example: python tools/bench.py state --params 16M --kernels numpy,numba
 """
 
 from __future__ import annotations
@@ -26,9 +30,21 @@ RANKS, TIMEOUT = False, None
 MODES = (
     ("fp32 masters", {"masters": "fp32"}),
     ("remainder masters", {"masters": "remainder"}),
+    ("fp32 + bf16 state", {"masters": "fp32", "state_dtype": "bfloat16"}),
     ("remainder + bf16 state", {"masters": "remainder", "state_dtype": "bfloat16"}),
     ("remainder + int8 state", {"masters": "remainder", "state_dtype": "int8"}),
 )
+#: Bytes per element a state array of each encoding is read and written with (8 bits: the
+#: codes and one fp32 scale per block of 256, ``state.int8_blocks``).
+STATE_MOVED = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 8.0 / 256}
+
+
+def moved_bytes(states: int, engine: dict) -> float:
+    """Bytes per element one update of bf16 parameters must move: the 16-bit gradient read;
+    fp32 masters read and written and the new parameter written, or the parameter and its
+    int16 remainder read and written; each of ``states`` arrays as ``STATE_MOVED`` says."""
+    masters = 8.0 + 2.0 if engine.get("masters") == "fp32" else 4.0 + 4.0
+    return 2.0 + masters + states * STATE_MOVED[engine.get("state_dtype", "float32")]
 
 
 def options(parser) -> None:
@@ -70,9 +86,9 @@ def measure(xp, psi: int, rule: str, steps: int, kernel: str) -> list[dict]:
     grads = {k: xp.asarray((rng.standard_normal(v.size) * 1e-3).astype(np.float32))
              for k, v in init.items()}
     device = xp is not np
-    times = [[] for _ in MODES]
+    times, updates = [[] for _ in MODES], [[] for _ in MODES]
     for step in range(steps + 1):
-        for opt, spent in zip(opts, times):
+        for opt, spent, update in zip(opts, times, updates):
             for name, g in grads.items():
                 opt.grads[name][...] = g
             if device:
@@ -83,13 +99,19 @@ def measure(xp, psi: int, rule: str, steps: int, kernel: str) -> list[dict]:
                 xp.cuda.Device().synchronize()
             if step:  # the first step compiles
                 spent.append(time.perf_counter() - start)
+                update.append(opt.last_step_seconds["update"])
+    a, b = np.ones(psi, np.float32), np.zeros(psi, np.float32)
+    stream = 3 * a.nbytes / min(common.clock(lambda: np.add(a, b, out=a)) for _ in range(5)) / 1e9
     base = float(np.median(times[0]))
     rows = []
-    for (label, engine), opt, spent in zip(MODES, opts, times):
+    for (label, engine), opt, spent, update in zip(MODES, opts, times, updates):
         report = opt.memory_report()
-        ms = float(np.median(spent))
+        ms, update_s = float(np.median(spent)), float(np.median(update))
+        moved = moved_bytes(len(opt.rule.state_names), engine)
         rows.append({"mode": label, "options": engine, "kernel": kernel, "psi": psi,
                      "rule": rule, "step_ms": 1e3 * ms, "ratio": ms / base,
+                     "update_ms": 1e3 * update_s, "moved_bytes": moved,
+                     "update_GBps": moved * psi / update_s / 1e9, "stream_GBps": stream,
                      "k": report.optimizer_state / psi, "k_formula": report.bytes_per_param})
     return rows
 
@@ -98,9 +120,11 @@ def report(args, results: list[dict]) -> dict:
     rows = results[0]["rows"]
     print(f"{args.rule}, {args.params:,} bf16 parameters, 1 rank, {args.backend}; "
           f"median of {args.steps} steps, interleaved")
-    print(f"{'kernel':7s} {'mode':22s} {'step ms':>9s} {'ratio':>7s} {'K measured':>11s} "
-          f"{'K formula':>10s}")
+    print(f"{'kernel':7s} {'mode':22s} {'step ms':>9s} {'ratio':>7s} {'update ms':>10s} "
+          f"{'B/elem':>7s} {'GB/s':>6s} {'of stream':>9s} {'K measured':>11s} {'K formula':>10s}")
     for row in rows:
         print(f"{row['kernel']:7s} {row['mode']:22s} {row['step_ms']:9.1f} {row['ratio']:7.3f} "
-              f"{row['k']:11.3f} {row['k_formula']:10g}")
+              f"{row['update_ms']:10.1f} {row['moved_bytes']:7.2f} {row['update_GBps']:6.1f} "
+              f"{row['update_GBps'] / row['stream_GBps']:9.0%} {row['k']:11.3f} "
+              f"{row['k_formula']:10g}")
     return {"rows": rows}

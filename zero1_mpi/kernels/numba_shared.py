@@ -59,9 +59,10 @@ def jit(fn=None, **options):
 
 
 def compile_marked(namespace: dict) -> None:
-    """Replace each ``@jit`` function in ``namespace`` (a module's ``globals()``), and in this
-    module, by its Numba dispatcher, so that marked functions calling each other by name call
-    compiled code. Compiles lazily (Numba compiles on first call, or loads its disk cache).
+    """Replace each ``@jit`` function in ``namespace`` (a module's ``globals()``), in this
+    module and in the modules those functions come from, by its Numba dispatcher, so that
+    marked functions calling each other by name call compiled code. Compiles lazily (Numba
+    compiles on first call, or loads its disk cache).
 
     Raises:
         ImportError: Numba is missing, naming the extra that brings it.
@@ -73,11 +74,17 @@ def compile_marked(namespace: dict) -> None:
             "the Numba kernels need Numba: pip install 'zero1-mpi[fast]' (or set "
             "ZERO1_MPI_KERNEL=numpy)"
         ) from exc
-    for space in (globals(), namespace):
+    pending, seen = [globals(), namespace], set()
+    while pending:
+        space = pending.pop()
+        if id(space) in seen:
+            continue
+        seen.add(id(space))
         for name, value in list(space.items()):
             if inspect.isfunction(value) and hasattr(value, "numba_options"):
                 if value not in _dispatchers:
                     _dispatchers[value] = numba.njit(**value.numba_options)(value)
+                    pending.append(value.__globals__)  # (imported: its module's calls too)
                 space[name] = _dispatchers[value]
 
 

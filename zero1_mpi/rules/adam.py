@@ -17,8 +17,17 @@ import numpy as np
 from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels import backend
 from ..kernels.local_sums import NUMPY_CHUNK
+from ..kernels.numba_forms import (
+    load_master,
+    load_state,
+    master_form,
+    state_form,
+    store_master,
+    store_state,
+)
 from ..kernels.numba_shared import (
     FP16_TABLE,
+    FP32,
     NumbaKernel,
     fp32_chunk,
     jit,
@@ -206,38 +215,39 @@ def _numba_adam(
     neg_step,
     bc2_sqrt,
 ):
-    n = master.size
+    """One pass over a range, a chunk at a time: the stored forms (``numba_forms``) of the
+    masters and the state decoded, updated, encoded; returns the masters' new ties."""
+    n = grad32.size if grad_kind == FP32 else grad16.size
+    ties, count = np.empty(0, np.int64), 0
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
         grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        _numba_update(
-            grad,
-            master[start:stop],
-            m[start:stop],
-            v[start:stop],
-            grad_scale,
-            beta2,
-            omb1,
-            omb2,
-            eps,
-            l2,
-            decay,
-            neg_step,
-            bc2_sqrt,
-        )
-        round_params(master[start:stop], param16[start:stop], param_kind)
+        p = load_master(master, param16, start, stop)
+        mi, vi = load_state(m, start, stop), load_state(v, start, stop)
+        _numba_update(grad, p, mi, vi, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step,
+                      bc2_sqrt)  # fmt: skip
+        round_params(p, param16[start:stop], param_kind)
+        store_state(m, mi, start, stop)
+        store_state(v, vi, start, stop)
+        ties, count = store_master(master, p, param16, start, stop, ties, count)
+    return ties[:count]
 
 
 class NumbaAdam(NumbaKernel):
     """One compiled pass over each cache-sized chunk; the bits of ``NumpyAdam``."""
 
     def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
+        self.fused(grad, master_form(master), (state_form(exp_avg), state_form(exp_avg_sq)),
+                   param, s)  # fmt: skip
+
+    def fused(self, grad, master, states, param, s: AdamScalars):
+        """The update over one range of the stored forms (``numba_forms``: ``master`` and
+        each of ``states``) as they are; returns the masters' new ties."""
         f = np.float32
-        _numba_adam(
+        return _numba_adam(
             *split_grad(grad),
             master,
-            exp_avg,
-            exp_avg_sq,
+            *states,
             *param_bits(param),
             FP16_TABLE,
             self._scratch,

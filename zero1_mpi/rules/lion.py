@@ -16,8 +16,17 @@ import numpy as np
 from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels import backend
 from ..kernels.local_sums import NUMPY_CHUNK
+from ..kernels.numba_forms import (
+    load_master,
+    load_state,
+    master_form,
+    state_form,
+    store_master,
+    store_state,
+)
 from ..kernels.numba_shared import (
     FP16_TABLE,
+    FP32,
     NumbaKernel,
     fp32_chunk,
     jit,
@@ -162,34 +171,35 @@ def _numba_lion(
     decay,
     neg_lr,
 ):
-    n = master.size
+    """One pass over a range, a chunk at a time: the stored forms (``numba_forms``) of the
+    masters and the state decoded, updated, encoded; returns the masters' new ties."""
+    n = grad32.size if grad_kind == FP32 else grad16.size
+    ties, count = np.empty(0, np.int64), 0
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
         grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        _numba_update(
-            grad,
-            master[start:stop],
-            m[start:stop],
-            grad_scale,
-            beta1,
-            omb1,
-            beta2,
-            omb2,
-            decay,
-            neg_lr,
-        )
-        round_params(master[start:stop], param16[start:stop], param_kind)
+        p, mi = load_master(master, param16, start, stop), load_state(m, start, stop)
+        _numba_update(grad, p, mi, grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr)
+        round_params(p, param16[start:stop], param_kind)
+        store_state(m, mi, start, stop)
+        ties, count = store_master(master, p, param16, start, stop, ties, count)
+    return ties[:count]
 
 
 class NumbaLion(NumbaKernel):
     """One compiled pass over each cache-sized chunk; the bits of ``NumpyLion``."""
 
     def __call__(self, grad, master, exp_avg, param, s: LionScalars) -> None:
+        self.fused(grad, master_form(master), (state_form(exp_avg),), param, s)
+
+    def fused(self, grad, master, states, param, s: LionScalars):
+        """The update over one range of the stored forms (``numba_forms``: ``master`` and
+        each of ``states``) as they are; returns the masters' new ties."""
         f = np.float32
-        _numba_lion(
+        return _numba_lion(
             *split_grad(grad),
             master,
-            exp_avg,
+            *states,
             *param_bits(param),
             FP16_TABLE,
             self._scratch,

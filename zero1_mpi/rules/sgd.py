@@ -19,9 +19,18 @@ import numpy as np
 from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels import backend
 from ..kernels.local_sums import NUMPY_CHUNK
+from ..kernels.numba_forms import (
+    load_master,
+    load_state,
+    master_form,
+    state_form,
+    store_master,
+    store_state,
+)
 from ..kernels.numba_shared import (
     CHUNK,
     FP16_TABLE,
+    FP32,
     NO_F32,
     NumbaKernel,
     fp32_chunk,
@@ -214,23 +223,21 @@ def _numba_sgd(
     first,
     neg_lr,
 ):
-    n = master.size
+    """One pass over a range, a chunk at a time: the stored forms (``numba_forms``) of the
+    masters and the momentum buffer (empty without momentum) decoded, updated, encoded;
+    returns the masters' new ties."""
+    n = grad32.size if grad_kind == FP32 else grad16.size
+    ties, count = np.empty(0, np.int64), 0
     for start in range(0, n, scratch.size):
         stop = min(n, start + scratch.size)
         grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        _numba_update(
-            grad,
-            master[start:stop],
-            buf[start:stop],
-            grad_scale,
-            weight_decay,
-            momentum,
-            omd,
-            nesterov,
-            first,
-            neg_lr,
-        )
-        round_params(master[start:stop], param16[start:stop], param_kind)
+        p, b = load_master(master, param16, start, stop), load_state(buf, start, stop)
+        _numba_update(grad, p, b, grad_scale, weight_decay, momentum, omd, nesterov, first,
+                      neg_lr)  # fmt: skip
+        round_params(p, param16[start:stop], param_kind)
+        store_state(buf, b, start, stop)
+        ties, count = store_master(master, p, param16, start, stop, ties, count)
+    return ties[:count]
 
 
 class NumbaSGD(NumbaKernel):
@@ -242,12 +249,19 @@ class NumbaSGD(NumbaKernel):
 
     def __call__(self, grad, master, *rest) -> None:
         buf, param, s = split_args(self.has_buffer, rest)
+        states = () if buf is None else (state_form(buf),)
+        self.fused(grad, master_form(master), states, param, s)
+
+    def fused(self, grad, master, states, param, s: SGDScalars):
+        """The update over one range of the stored forms (``numba_forms``: ``master`` and the
+        buffer's, if any, in ``states``) as they are; returns the masters' new ties."""
         f = np.float32
-        momentum = f(s.momentum) if buf is not None else f(0)
-        _numba_sgd(
+        buf = states[0] if states else state_form(NO_F32)
+        momentum = f(s.momentum) if states else f(0)
+        return _numba_sgd(
             *split_grad(grad),
             master,
-            NO_F32 if buf is None else buf,
+            buf,
             *param_bits(param),
             FP16_TABLE,
             self._scratch,

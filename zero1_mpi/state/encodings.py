@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import backend
-from ..kernels.numba_shared import compile_marked, jit
+from ..kernels import backend, numba_forms
+from ..kernels.numba_forms import round_stochastic
+from ..kernels.numba_shared import compile_marked
 from .int8_blocks import Int8State
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Bf16State",
     "state_for",
     "STATE_DTYPES",
+    "FUSED_STATE_DTYPES",
     "sr_bits",
     "check_state_dtype",
 ]
@@ -30,8 +32,8 @@ __all__ = [
 FP32 = np.dtype(np.float32)
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 #: Odd multipliers that spread (flat index, step, array) over 32 bits before the hash.
-_INDEX, _STEP, _ARRAY = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
-_M = 0xFFFFFFFF
+_INDEX, _STEP, _ARRAY = numba_forms.INDEX, 0x85EBCA77, 0xC2B2AE3D
+_M = numba_forms.M32
 
 
 class Fp32State:
@@ -57,6 +59,10 @@ class Fp32State:
     def store(self, st: slice, values, flat: int, step: int) -> None:
         """Nothing: the kernel wrote ``load``'s view."""
 
+    def form(self, st: slice, flat: int, step: int) -> tuple:
+        """The array over ``st`` for a Numba twin's one pass (``numba_forms``)."""
+        return numba_forms.state_form(fp32=self.held[st])
+
     def read(self, st: slice):
         return self.held[st]
 
@@ -71,17 +77,19 @@ class Bf16State:
         n: elements of the shard; ``largest``: the most one kernel call (or calls used
             together) takes: the decoded values' scratch; ``xp``; ``kind``: the twin
             (``"numpy"``, ``"numba"``, ``"cupy"``); ``array``: the array's place in the rule's
-            ``state_names`` (its stream of random bits).
+            ``state_names`` (its stream of random bits); ``fused``: a Numba twin takes the
+            bits as they are (``form``) and widens and rounds them a chunk at a time.
     """
 
     dtype = "bfloat16"
     CHUNK = 1 << 18
 
-    def __init__(self, n: int, largest: int, xp, kind: str, array: int):
-        self._xp, self._kind, self._array = xp, kind, array
+    def __init__(self, n: int, largest: int, xp, kind: str, array: int, fused: bool = False):
+        self._xp, self._kind, self._array, self._largest = xp, kind, array, largest
         self.held = xp.zeros(n, np.uint16)
-        self._decoded = xp.empty(largest, FP32)
-        self.chunk = largest
+        self._decoded = xp.empty(0 if fused else largest, FP32)  # (fused: a pass's chunk)
+        self._form_scratch = numba_forms.scratch() if fused else np.empty(0, FP32)
+        self.chunk = 1 << 62 if fused else largest
         if kind == "numpy":
             self._bits = np.empty(min(largest, self.CHUNK), np.uint32)
             self._ramp = np.arange(self._bits.size, dtype=np.uint32) * np.uint32(_INDEX)
@@ -95,12 +103,14 @@ class Bf16State:
     @property
     def scratch_bytes(self) -> int:
         extra = self._bits.nbytes + self._ramp.nbytes if self._kind == "numpy" else 0
-        return self._decoded.nbytes + extra
+        return self._decoded.nbytes + self._form_scratch.nbytes + extra
 
     def real_bytes(self, owned: int) -> int:
         return owned * 2
 
     def load(self, st: slice, at: int):
+        if self._decoded.size == 0:  # (made with ``fused``)
+            self._decoded = self._xp.empty(self._largest, FP32)
         out = self._decoded[at : at + st.stop - st.start]
         self._widen(self.held[st], out)
         return out
@@ -108,7 +118,7 @@ class Bf16State:
     def store(self, st: slice, values, flat: int, step: int) -> None:
         """Round ``values`` (fp32, the kernel's over ``st``, whose first element is the
         parameter at flat index ``flat``) stochastically into the array, with ``step``'s bits."""
-        seed = (flat * _INDEX + step * _STEP + self._array * _ARRAY) & _M
+        seed = self._seed(flat, step)
         out = self.held[st]
         if self._kind == "numpy":
             for start in range(0, values.size, self._bits.size):
@@ -118,9 +128,23 @@ class Bf16State:
                 np.add(self._ramp[: stop - start], np.uint32(base), out=bits)
                 _numpy_round(values[start:stop], bits, out[start:stop])
         elif self._kind == "numba":
-            _numba_round(values.view(np.uint32), np.uint32(seed), out)
+            round_stochastic(values.view(np.uint32), np.uint32(seed), out)
         else:
             _cuda_kernel("round")(values.view(np.uint32), np.uint32(seed), out)
+
+    def form(self, st: slice, flat: int, step: int) -> tuple:
+        """The bits over ``st`` (first element: flat index ``flat``) for a Numba twin's one
+        pass at ``step`` (``numba_forms``), which widens and rounds them a chunk at a time."""
+        if self._form_scratch.size == 0:  # (made with ``fused``)
+            self._form_scratch = numba_forms.scratch()
+        return numba_forms.state_form(
+            bits=self.held[st], seed=self._seed(flat, step), scratch=self._form_scratch
+        )
+
+    def _seed(self, flat: int, step: int) -> int:
+        """The stream's seed at flat index ``flat`` in ``step`` (element ``i`` after it:
+        ``seed + i * _INDEX``)."""
+        return (flat * _INDEX + step * _STEP + self._array * _ARRAY) & _M
 
     def read(self, st: slice):
         out = self._xp.empty(st.stop - st.start, FP32)
@@ -140,19 +164,32 @@ class Bf16State:
 
 
 def state_for(
-    dtype: str, n: int, largest: int, xp, compute: str, array: int, whole: bool, segments=()
+    dtype: str,
+    n: int,
+    largest: int,
+    xp,
+    compute: str,
+    array: int,
+    whole: bool,
+    segments=(),
+    fused: bool = False,
 ):
     """The state array kept as ``dtype`` (``STATE_DTYPES``) for a shard of ``n`` elements;
     ``array``: its place in the rule's state; ``whole``: a kernel call may need a whole
     bucket's shard decoded at once (a two-phase rule), else a cache-sized chunk on the host;
-    ``segments``: the 8-bit state's (``Int8State``)."""
+    ``segments``: the 8-bit state's (``Int8State``); ``fused``: the kernel takes its ``form``
+    (a Numba twin's one pass: fp32 and bf16)."""
     if dtype == "float32":
         return Fp32State(xp.zeros(n, FP32))
     kept = Bf16State if dtype == "bfloat16" else Int8State
     chunk = largest if whole or compute == "cupy" else min(largest, kept.CHUNK)
     if dtype == "bfloat16":
-        return Bf16State(n, chunk, xp, compute, array)
+        return Bf16State(n, chunk, xp, compute, array, fused)
     return Int8State(n, segments, chunk, xp, compute)
+
+
+#: The state encodings a Numba twin's one pass reads and writes as they are (``form``).
+FUSED_STATE_DTYPES = ("float32", "bfloat16")
 
 
 def sr_bits(x):
@@ -179,28 +216,6 @@ def _numpy_round(values, bits, out) -> None:
         nan = (u[special] & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
         bits[special] = np.where(nan, top | np.uint32(0x40), top)
     np.copyto(out, bits, casting="unsafe")
-
-
-# -- the Numba twin ------------------------------------------------------------------------------
-
-
-@jit
-def _numba_round(values, seed, out):
-    for i in range(values.size):  # (each step cast back: Numba widens integer arithmetic)
-        x = np.uint32((np.uint64(seed) + np.uint64(i) * np.uint64(_INDEX)) & np.uint64(_M))
-        x = np.uint32(x ^ (x >> np.uint32(16)))
-        x = np.uint32((np.uint64(x) * np.uint64(0x7FEB352D)) & np.uint64(_M))
-        x = np.uint32(x ^ (x >> np.uint32(15)))
-        x = np.uint32((np.uint64(x) * np.uint64(0x846CA68B)) & np.uint64(_M))
-        x = np.uint32(x ^ (x >> np.uint32(16)))
-        u = values[i]
-        top = u >> np.uint32(16)
-        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-            out[i] = np.uint16(top | np.uint32(0x40))
-        elif (u & np.uint32(0x7FFFFFFF)) == np.uint32(0x7F800000):
-            out[i] = np.uint16(top)
-        else:
-            out[i] = np.uint16((np.uint64(u) + np.uint64(x & np.uint32(0xFFFF))) >> np.uint64(16))
 
 
 # -- the CuPy twin -------------------------------------------------------------------------------

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import backend
-from ..kernels.numba_shared import compile_marked, jit
+from ..kernels import backend, numba_forms
+from ..kernels.numba_forms import TIE, decode_remainders, encode_remainders, tie_positions
+from ..kernels.numba_shared import compile_marked
 from .host import keeps_host_share
 
 __all__ = ["Fp32Masters", "RemainderMasters", "masters_for", "TIE", "MASTERS", "check_masters"]
 
 FP32 = np.dtype(np.float32)
-#: The remainder of a tie (half a bf16 step above an even parameter): stored as ``-TIE``.
-TIE = 0x8000
 #: Elements per NumPy pass: the int32 scratch stays in cache.
 NUMPY_CHUNK = 1 << 16
 
@@ -52,6 +51,13 @@ class Fp32Masters:
     def store(self, st: slice, values, param) -> None:
         """Nothing: the kernel updated ``load``'s view in place."""
 
+    def form(self, st: slice) -> tuple:
+        """The masters over ``st`` for a Numba twin's one pass (``numba_forms``)."""
+        return numba_forms.master_form(fp32=self.array[st])
+
+    def record_ties(self, st: slice, ties) -> None:
+        """Nothing: fp32 masters have no ties."""
+
     def read(self, st: slice, param):
         """A writable view (``write`` needs no call after writing into it)."""
         return self.array[st]
@@ -72,7 +78,8 @@ class RemainderMasters:
     Args:
         n: elements of the shard; ``largest``: ``chunk``, the most elements one kernel call
             (or calls used together) takes: the decoded masters' scratch; ``xp``; ``kind``:
-            ``"numpy"``, ``"numba"`` or ``"cupy"``.
+            ``"numpy"``, ``"numba"`` or ``"cupy"``; ``fused``: a Numba twin takes the
+            remainders as they are (``form``) and decodes them a chunk at a time.
     """
 
     kind = "remainder"
@@ -80,13 +87,16 @@ class RemainderMasters:
     #: decoding, the kernel and the encoding.
     CHUNK = 1 << 18
 
-    def __init__(self, n: int, largest: int, xp, kind: str):
-        self._xp, self._kind = xp, kind
+    def __init__(self, n: int, largest: int, xp, kind: str, fused: bool = False):
+        self._xp, self._kind, self._largest = xp, kind, largest
         self.remainder = self.held = xp.zeros(n, np.int16)
         #: Sorted positions (in the shard) of the masters half a bf16 step above an even param.
         self.ties = np.zeros(0, np.int64)
-        self._decoded = xp.empty(largest, FP32)
-        self.chunk = largest
+        # ``load``'s scratch, or with ``fused`` (a Numba pass decodes a chunk at a time) that
+        # pass's one chunk, and one kernel call per range.
+        self._decoded = xp.empty(0 if fused else largest, FP32)
+        self._form_scratch = numba_forms.scratch() if fused else np.empty(0, FP32)
+        self.chunk = 1 << 62 if fused else largest
         if kind == "cupy":
             self._tied = xp.empty(largest, np.bool_)
         elif kind == "numpy":
@@ -105,12 +115,14 @@ class RemainderMasters:
 
     @property
     def scratch_bytes(self) -> int:
-        return self._decoded.nbytes + self._tied.nbytes
+        return self._decoded.nbytes + self._tied.nbytes + self._form_scratch.nbytes
 
     def load(self, st: slice, at: int, param):
         """The fp32 masters over ``st``, decoded into the scratch at ``at`` (disjoint ranges of
         one bucket's shard stay valid together) against ``param``, the parameters before the
         kernel."""
+        if self._decoded.size == 0:  # (made with ``fused``)
+            self._decoded = self._xp.empty(self._largest, FP32)
         out = self._decoded[at : at + st.stop - st.start]
         self._decode(st, param, out)
         return out
@@ -121,9 +133,27 @@ class RemainderMasters:
         if self._kind == "numpy":
             ties = self._encode_numpy(values, param, self.remainder[st])
         elif self._kind == "numba":
-            ties = _encode_numba(values.view(np.int32), param.view(np.uint16), self.remainder[st])
+            bits, param16 = values.view(np.int32), param.view(np.uint16)
+            ties = tie_positions(
+                bits, param16, encode_remainders(bits, param16, self.remainder[st])
+            )
         else:
             ties = self._encode_cupy(values, param, self.remainder[st])
+        self.record_ties(st, ties)
+
+    def form(self, st: slice) -> tuple:
+        """The remainders over ``st`` (and their ties) for a Numba twin's one pass, which
+        decodes and encodes them a chunk at a time (``numba_forms``); ``record_ties`` after."""
+        if self._form_scratch.size == 0:  # (made with ``fused``)
+            self._form_scratch = numba_forms.scratch()
+        lo, hi = np.searchsorted(self.ties, (st.start, st.stop))
+        return numba_forms.master_form(
+            remainder=self.remainder[st], ties=self.ties[lo:hi] - st.start,
+            scratch=self._form_scratch,
+        )  # fmt: skip
+
+    def record_ties(self, st: slice, ties) -> None:
+        """The ties over ``st`` are now ``ties`` (positions from ``st.start``)."""
         lo, hi = np.searchsorted(self.ties, (st.start, st.stop))
         if lo < hi or ties.size:
             self.ties = np.concatenate((self.ties[:lo], ties + st.start, self.ties[hi:]))
@@ -150,7 +180,7 @@ class RemainderMasters:
             np.left_shift(param.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
             np.add(bits, rem, out=bits)
         elif self._kind == "numba":
-            _decode_numba(param.view(np.uint16), rem, out.view(np.int32))
+            decode_remainders(param.view(np.uint16), rem, out.view(np.int32))
         else:
             _cuda_kernel("decode")(param.view(np.uint16), rem, out.view(np.int32))
         lo, hi = np.searchsorted(self.ties, (st.start, st.stop))
@@ -177,42 +207,17 @@ class RemainderMasters:
 
 
 def masters_for(
-    kind: str, n: int, largest: int, xp, compute: str, whole: bool
+    kind: str, n: int, largest: int, xp, compute: str, whole: bool, fused: bool = False
 ) -> Fp32Masters | RemainderMasters:
     """The masters of ``kind`` (``"fp32"`` or ``"remainder"``) for a shard of ``n`` elements;
     ``compute``: the kernel family (``"numpy"``, ``"numba"``, ``"cupy"``); ``whole``: a kernel
     call may need a whole bucket's shard decoded at once (a two-phase rule's sums), else
-    ``RemainderMasters.CHUNK`` elements on the host."""
+    ``RemainderMasters.CHUNK`` elements on the host; ``fused``: the kernel takes their
+    ``form`` (a Numba twin's one pass)."""
     if kind == "remainder":
         chunk = largest if whole or compute == "cupy" else min(largest, RemainderMasters.CHUNK)
-        return RemainderMasters(n, chunk, xp, compute)
+        return RemainderMasters(n, chunk, xp, compute, fused)
     return Fp32Masters(xp.zeros(n, FP32))
-
-
-# -- the Numba twin ------------------------------------------------------------------------------
-
-
-@jit
-def _decode_numba(param, rem, out):
-    for i in range(out.size):
-        out[i] = np.int32((np.uint32(param[i]) << np.uint32(16)) + np.uint32(np.int32(rem[i])))
-
-
-@jit
-def _encode_numba(master, param, rem):
-    count = 0
-    for i in range(master.size):
-        r = np.int32(np.uint32(master[i]) - (np.uint32(param[i]) << np.uint32(16)))
-        count += r == TIE
-        rem[i] = np.int16(r)
-    ties = np.empty(count, np.int64)
-    k = 0
-    if count:
-        for i in range(master.size):
-            if np.int32(np.uint32(master[i]) - (np.uint32(param[i]) << np.uint32(16))) == TIE:
-                ties[k] = i
-                k += 1
-    return ties
 
 
 # -- the CuPy twin -------------------------------------------------------------------------------

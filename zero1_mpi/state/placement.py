@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .encodings import state_for
+from ..kernels import numba_forms
+from .encodings import FUSED_STATE_DTYPES, state_for
 from .host import (
     DeviceHostRow,
     HostShard,
@@ -86,30 +87,38 @@ class ShardSpec:
 
 
 class WithParams:
-    """The shard beside the parameters: each bucket's shard whole, one kernel."""
+    """The shard beside the parameters: each bucket's shard whole, one kernel. Where the
+    kernel is a Numba twin that takes the stored forms (``fused``: fp32 or remainder masters,
+    fp32 or bf16 state), ``update_fused`` runs it over them as they are, in one pass."""
 
     on_host = False
 
     def __init__(self, spec: ShardSpec):
         self.spec = spec
-        n, largest, whole = (
-            spec.layout.shard_total,
-            spec.layout.largest_shard,
-            spec.rule.tensor_sums > 0,
-        )
+        n, largest = spec.layout.shard_total, spec.layout.largest_shard
+        whole = spec.rule.tensor_sums > 0
         self.parts = [ShardRange(b, 0, b.shard_size, b.index) for b in spec.layout.buckets]
         #: The kernel family of the update (and of the gathers' decoding).
         self.kernel_kind = kind = spec.kernels.device
+        self.kernel = spec.rule.kernel(kind, largest)
+        #: Whether the kernel reads and writes the stored forms itself (``numba_forms``).
+        self.fused = fused = (
+            kind == "numba"
+            and not whole
+            and spec.state_dtype in FUSED_STATE_DTYPES
+            and callable(getattr(self.kernel, "fused", None))
+        )
         #: The masters for 16-bit parameters (fp32 ones: the parameter buffer's range).
         self.masters: Any = (
-            masters_for(spec.masters_kind, n, largest, spec.xp, kind, whole) if spec.mixed else None
+            masters_for(spec.masters_kind, n, largest, spec.xp, kind, whole, fused)
+            if spec.mixed
+            else None
         )
-        segments = spec.segments()
+        segments, dtype = spec.segments(), spec.state_dtype
         self.stored: dict = {
-            name: state_for(spec.state_dtype, n, largest, spec.xp, kind, i, whole, segments)
+            name: state_for(dtype, n, largest, spec.xp, kind, i, whole, segments, fused)
             for i, name in enumerate(spec.rule.state_names)
         }
-        self.kernel = spec.rule.kernel(kind, largest)
         #: Where a two-phase rule's partial sums are added.
         self.sums_xp = spec.xp
 
@@ -132,6 +141,21 @@ class WithParams:
         """``(master, states, param or None)`` where the kernel updates ``[a, b)`` of
         ``bucket``'s shard (``ShardSpec.with_params``)."""
         return self.spec.with_params(self.masters, self.stored, bucket, a, b, at, gathers)
+
+    def update_fused(self, bucket, a: int, b: int, grads, scalars, gathers, step: int) -> None:
+        """``fused``: the kernel's one pass over ``[a, b)`` of ``bucket``'s shard (``grads``
+        from ``a``), on the masters and state as they are stored; the new 16-bit parameters
+        go to the gather's target (for remainder masters, the parameter buffer itself)."""
+        lo = bucket.shard(self.spec.shard_rank)[0] + a
+        st = slice(bucket.state.start + a, bucket.state.start + b)
+        states = tuple(kept.form(st, lo, step) for kept in self.stored.values())
+        if self.masters is None:  # fp32 parameters: the parameter range is the master
+            master, param = numba_forms.master_form(fp32=self.spec.flat[lo : lo + b - a]), None
+        else:
+            master, param = self.masters.form(st), gathers.target(bucket)[a:b]
+        ties = self.kernel.fused(grads, master, states, param, scalars)
+        if self.masters is not None:
+            self.masters.record_ties(st, ties)
 
     def scratch_bytes(self) -> tuple[int, int]:
         """``(with the parameters, on the host)``: the kernel's and the rows' decoding buffers."""

@@ -255,8 +255,13 @@ class ShardedState:
                     kernel.apply(master, *states, param, scalars[index])
                     self._stored(bucket, c, d, master, param)
             return
+        place = self.place
         for group, a, b in self._ranges[part.index]:
             for c, d in self._calls(a, b):
+                if isinstance(place, WithParams) and place.fused:  # stored forms, one pass
+                    g = grads[c - part.a : d - part.a]
+                    place.update_fused(bucket, c, d, g, scalars[group], self.gathers, self._step)
+                    continue
                 master, states, param = self.place.arrays(bucket, c, d, 0, self.gathers)
                 kernel(grads[c - part.a : d - part.a], master, *states, param, scalars[group])
                 self._stored(bucket, c, d, master, param, states)
