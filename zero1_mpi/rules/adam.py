@@ -17,24 +17,8 @@ import numpy as np
 from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels import backend
 from ..kernels.local_sums import NUMPY_CHUNK
-from ..kernels.numba_forms import (
-    load_master,
-    load_state,
-    master_form,
-    state_form,
-    store_master,
-    store_state,
-)
-from ..kernels.numba_shared import (
-    FP16_TABLE,
-    FP32,
-    NumbaKernel,
-    fp32_chunk,
-    jit,
-    param_bits,
-    round_params,
-    split_grad,
-)
+from ..kernels.numba_generated import GeneratedKernel
+from ..kernels.numba_shared import jit
 from .options import betas as check_betas
 from .options import non_negative
 from .protocol import Rule
@@ -169,98 +153,33 @@ class NumpyAdam:
             np.copyto(param, p, casting="unsafe")  # round to the 16-bit dtype
 
 
-# -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
-
-
-@jit(inline="never")
-def _numba_update(
-    grad, master, m, v, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt
-):
-    """One chunk, fp32 gradient in, state in place."""
-    for i in range(master.size):
-        g = grad[i] * grad_scale  # mean gradient
-        p = master[i]
-        if l2 != 0:
-            g = g + p * l2  # Adam: L2 term
-        mi = m[i]
-        mi = mi + (g - mi) * omb1  # m = lerp(m, g, 1 - beta1)
-        vi = v[i] * beta2 + (g * g) * omb2  # v = beta2 v + (1 - beta2) g^2
-        if decay != 1:
-            p = p * decay  # AdamW: p *= 1 - lr wd
-        denom = np.sqrt(vi) / bc2_sqrt + eps  # bias-corrected sqrt(v) + eps
-        m[i] = mi
-        v[i] = vi
-        master[i] = p + (mi / denom) * neg_step  # p -= lr / (1 - beta1^t) m / denom
+# -- the Numba twin: the NumPy twin's float32 operations in its order, on one element ----------
 
 
 @jit
-def _numba_adam(
-    grad32,
-    grad16,
-    grad_kind,
-    master,
-    m,
-    v,
-    param16,
-    param_kind,
-    table,
-    scratch,
-    grad_scale,
-    beta2,
-    omb1,
-    omb2,
-    eps,
-    l2,
-    decay,
-    neg_step,
-    bc2_sqrt,
-):
-    """One pass over a range, a chunk at a time: the stored forms (``numba_forms``) of the
-    masters and the state decoded, updated, encoded; returns the masters' new ties."""
-    n = grad32.size if grad_kind == FP32 else grad16.size
-    ties, count = np.empty(0, np.int64), 0
-    for start in range(0, n, scratch.size):
-        stop = min(n, start + scratch.size)
-        grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        p = load_master(master, param16, start, stop)
-        mi, vi = load_state(m, start, stop), load_state(v, start, stop)
-        _numba_update(grad, p, mi, vi, grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step,
-                      bc2_sqrt)  # fmt: skip
-        round_params(p, param16[start:stop], param_kind)
-        store_state(m, mi, start, stop)
-        store_state(v, vi, start, stop)
-        ties, count = store_master(master, p, param16, start, stop, ties, count)
-    return ties[:count]
+def _adam_element(g, p, m, v, s):
+    """One element: fp32 gradient ``g``, master ``p`` and state in; the new ``(p, m, v)``."""
+    grad_scale, beta2, omb1, omb2, eps, l2, decay, neg_step, bc2_sqrt = s
+    g = g * grad_scale  # mean gradient
+    if l2 != 0:
+        g = g + p * l2  # Adam: L2 term
+    m = m + (g - m) * omb1  # m = lerp(m, g, 1 - beta1)
+    v = v * beta2 + (g * g) * omb2  # v = beta2 v + (1 - beta2) g^2
+    if decay != 1:
+        p = p * decay  # AdamW: p *= 1 - lr wd
+    denom = np.sqrt(v) / bc2_sqrt + eps  # bias-corrected sqrt(v) + eps
+    return p + (m / denom) * neg_step, m, v  # p -= lr / (1 - beta1^t) m / denom
 
 
-class NumbaAdam(NumbaKernel):
-    """One compiled pass over each cache-sized chunk; the bits of ``NumpyAdam``."""
+class NumbaAdam(GeneratedKernel):
+    """One generated pass per range (``numba_generated``); the bits of ``NumpyAdam``."""
 
-    def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
-        self.fused(grad, master_form(master), (state_form(exp_avg), state_form(exp_avg_sq)),
-                   param, s)  # fmt: skip
+    element = staticmethod(_adam_element)
 
-    def fused(self, grad, master, states, param, s: AdamScalars):
-        """The update over one range of the stored forms (``numba_forms``: ``master`` and
-        each of ``states``) as they are; returns the masters' new ties."""
+    def scalars(self, s: AdamScalars) -> tuple:
         f = np.float32
-        return _numba_adam(
-            *split_grad(grad),
-            master,
-            *states,
-            *param_bits(param),
-            FP16_TABLE,
-            self._scratch,
-            f(s.grad_scale),
-            f(s.beta2),
-            f(s.one_minus_beta1),
-            f(s.one_minus_beta2),
-            f(s.eps),
-            f(s.l2),
-            f(s.decay),
-            f(-s.step_size),
-            f(s.bc2_sqrt),
-        )
+        return (f(s.grad_scale), f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2),
+                f(s.eps), f(s.l2), f(s.decay), f(-s.step_size), f(s.bc2_sqrt))  # fmt: skip
 
 
 # -- the CuPy twin; ``grad`` and ``param`` are templated (G, P): float32, float16 or bfloat16 ----

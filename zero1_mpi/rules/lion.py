@@ -16,24 +16,8 @@ import numpy as np
 from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels import backend
 from ..kernels.local_sums import NUMPY_CHUNK
-from ..kernels.numba_forms import (
-    load_master,
-    load_state,
-    master_form,
-    state_form,
-    store_master,
-    store_state,
-)
-from ..kernels.numba_shared import (
-    FP16_TABLE,
-    FP32,
-    NumbaKernel,
-    fp32_chunk,
-    jit,
-    param_bits,
-    round_params,
-    split_grad,
-)
+from ..kernels.numba_generated import GeneratedKernel
+from ..kernels.numba_shared import jit
 from .options import betas as check_betas
 from .options import non_negative
 from .protocol import Rule
@@ -135,82 +119,29 @@ class NumpyLion:
             np.copyto(param, p, casting="unsafe")  # round to the 16-bit dtype
 
 
-# -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
-
-
-@jit(inline="never")
-def _numba_update(grad, master, m, grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr):
-    """One chunk, fp32 gradient in, state in place."""
-    for i in range(master.size):
-        g = grad[i] * grad_scale  # mean gradient
-        mi = m[i]
-        c = mi * beta1 + g * omb1  # c = b1 m + (1 - b1) g
-        p = master[i]
-        if decay != 1:
-            p = p * decay  # p *= 1 - lr wd
-        master[i] = p + np.sign(c) * neg_lr  # p -= lr sign(c)
-        m[i] = mi * beta2 + g * omb2  # m = b2 m + (1 - b2) g
+# -- the Numba twin: the NumPy twin's float32 operations in its order, on one element ----------
 
 
 @jit
-def _numba_lion(
-    grad32,
-    grad16,
-    grad_kind,
-    master,
-    m,
-    param16,
-    param_kind,
-    table,
-    scratch,
-    grad_scale,
-    beta1,
-    omb1,
-    beta2,
-    omb2,
-    decay,
-    neg_lr,
-):
-    """One pass over a range, a chunk at a time: the stored forms (``numba_forms``) of the
-    masters and the state decoded, updated, encoded; returns the masters' new ties."""
-    n = grad32.size if grad_kind == FP32 else grad16.size
-    ties, count = np.empty(0, np.int64), 0
-    for start in range(0, n, scratch.size):
-        stop = min(n, start + scratch.size)
-        grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        p, mi = load_master(master, param16, start, stop), load_state(m, start, stop)
-        _numba_update(grad, p, mi, grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr)
-        round_params(p, param16[start:stop], param_kind)
-        store_state(m, mi, start, stop)
-        ties, count = store_master(master, p, param16, start, stop, ties, count)
-    return ties[:count]
+def _lion_element(g, p, m, s):
+    """One element: fp32 gradient ``g``, master ``p`` and moment ``m`` in; the new ``(p, m)``."""
+    grad_scale, beta1, omb1, beta2, omb2, decay, neg_lr = s
+    g = g * grad_scale  # mean gradient
+    c = m * beta1 + g * omb1  # c = b1 m + (1 - b1) g
+    if decay != 1:
+        p = p * decay  # p *= 1 - lr wd
+    return p + np.sign(c) * neg_lr, m * beta2 + g * omb2  # p -= lr sign(c); m = b2 m + (1-b2) g
 
 
-class NumbaLion(NumbaKernel):
-    """One compiled pass over each cache-sized chunk; the bits of ``NumpyLion``."""
+class NumbaLion(GeneratedKernel):
+    """One generated pass per range (``numba_generated``); the bits of ``NumpyLion``."""
 
-    def __call__(self, grad, master, exp_avg, param, s: LionScalars) -> None:
-        self.fused(grad, master_form(master), (state_form(exp_avg),), param, s)
+    element = staticmethod(_lion_element)
 
-    def fused(self, grad, master, states, param, s: LionScalars):
-        """The update over one range of the stored forms (``numba_forms``: ``master`` and
-        each of ``states``) as they are; returns the masters' new ties."""
+    def scalars(self, s: LionScalars) -> tuple:
         f = np.float32
-        return _numba_lion(
-            *split_grad(grad),
-            master,
-            *states,
-            *param_bits(param),
-            FP16_TABLE,
-            self._scratch,
-            f(s.grad_scale),
-            f(s.beta1),
-            f(s.one_minus_beta1),
-            f(s.beta2),
-            f(s.one_minus_beta2),
-            f(s.decay),
-            f(s.neg_lr),
-        )
+        return (f(s.grad_scale), f(s.beta1), f(s.one_minus_beta1), f(s.beta2),
+                f(s.one_minus_beta2), f(s.decay), f(s.neg_lr))  # fmt: skip
 
 
 # -- the CuPy twin -------------------------------------------------------------------------------

@@ -19,26 +19,9 @@ import numpy as np
 from ..engine import ShardedOptimizer, with_engine_options
 from ..kernels import backend
 from ..kernels.local_sums import NUMPY_CHUNK
-from ..kernels.numba_forms import (
-    load_master,
-    load_state,
-    master_form,
-    state_form,
-    store_master,
-    store_state,
-)
-from ..kernels.numba_shared import (
-    CHUNK,
-    FP16_TABLE,
-    FP32,
-    NO_F32,
-    NumbaKernel,
-    fp32_chunk,
-    jit,
-    param_bits,
-    round_params,
-    split_grad,
-)
+from ..kernels.numba_forms import NO_STATE, master_form, state_form
+from ..kernels.numba_generated import GeneratedKernel
+from ..kernels.numba_shared import jit
 from .options import non_negative
 from .protocol import Rule
 
@@ -178,72 +161,35 @@ class NumpySGD:
             np.copyto(param, p, casting="unsafe")  # round to the 16-bit dtype
 
 
-# -- the Numba twin: the NumPy twin's float32 operations in its order ---------------------------
-
-
-@jit(inline="never")
-def _numba_update(
-    grad, master, buf, grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr
-):
-    """One chunk, fp32 gradient in, state in place."""
-    for i in range(master.size):
-        g = grad[i] * grad_scale  # mean gradient
-        p = master[i]
-        if weight_decay != 0:
-            g = g + p * weight_decay  # L2 weight decay
-        if momentum != 0:
-            if first:
-                b = g  # the buffer starts as g
-            else:
-                b = buf[i] * momentum + g * omd  # b = m b + (1 - d) g
-            buf[i] = b
-            if nesterov:
-                g = g + b * momentum  # Nesterov: g + m b
-            else:
-                g = b
-        master[i] = p + g * neg_lr  # p -= lr g
+# -- the Numba twin: the NumPy twin's float32 operations in its order, on one element ----------
 
 
 @jit
-def _numba_sgd(
-    grad32,
-    grad16,
-    grad_kind,
-    master,
-    buf,
-    param16,
-    param_kind,
-    table,
-    scratch,
-    grad_scale,
-    weight_decay,
-    momentum,
-    omd,
-    nesterov,
-    first,
-    neg_lr,
-):
-    """One pass over a range, a chunk at a time: the stored forms (``numba_forms``) of the
-    masters and the momentum buffer (empty without momentum) decoded, updated, encoded;
-    returns the masters' new ties."""
-    n = grad32.size if grad_kind == FP32 else grad16.size
-    ties, count = np.empty(0, np.int64), 0
-    for start in range(0, n, scratch.size):
-        stop = min(n, start + scratch.size)
-        grad = fp32_chunk(grad32, grad16, grad_kind, table, scratch, start, stop)
-        p, b = load_master(master, param16, start, stop), load_state(buf, start, stop)
-        _numba_update(grad, p, b, grad_scale, weight_decay, momentum, omd, nesterov, first,
-                      neg_lr)  # fmt: skip
-        round_params(p, param16[start:stop], param_kind)
-        store_state(buf, b, start, stop)
-        ties, count = store_master(master, p, param16, start, stop, ties, count)
-    return ties[:count]
+def _sgd_element(g, p, b, s):
+    """One element: fp32 gradient ``g``, master ``p`` and momentum buffer ``b`` in (0 and
+    left alone where momentum is 0); the new ``(p, b)``."""
+    grad_scale, weight_decay, momentum, omd, nesterov, first, neg_lr = s
+    g = g * grad_scale  # mean gradient
+    if weight_decay != 0:
+        g = g + p * weight_decay  # L2 weight decay
+    if momentum != 0:
+        if first:
+            b = g  # the buffer starts as g
+        else:
+            b = b * momentum + g * omd  # b = m b + (1 - d) g
+        if nesterov:
+            g = g + b * momentum  # Nesterov: g + m b
+        else:
+            g = b
+    return p + g * neg_lr, b  # p -= lr g
 
 
-class NumbaSGD(NumbaKernel):
-    """One compiled pass over each cache-sized chunk; the bits of ``NumpySGD``."""
+class NumbaSGD(GeneratedKernel):
+    """One generated pass per range (``numba_generated``); the bits of ``NumpySGD``."""
 
-    def __init__(self, has_buffer: bool, largest: int = CHUNK):
+    element = staticmethod(_sgd_element)
+
+    def __init__(self, has_buffer: bool, largest: int = 0):
         super().__init__(largest)
         self.has_buffer = has_buffer
 
@@ -253,26 +199,14 @@ class NumbaSGD(NumbaKernel):
         self.fused(grad, master_form(master), states, param, s)
 
     def fused(self, grad, master, states, param, s: SGDScalars):
-        """The update over one range of the stored forms (``numba_forms``: ``master`` and the
-        buffer's, if any, in ``states``) as they are; returns the masters' new ties."""
+        """``GeneratedKernel.fused``; without a buffer ``states`` is empty (and momentum 0)."""
+        self._momentum = np.float32(s.momentum) if states else np.float32(0)
+        return super().fused(grad, master, states or (NO_STATE,), param, s)
+
+    def scalars(self, s: SGDScalars) -> tuple:
         f = np.float32
-        buf = states[0] if states else state_form(NO_F32)
-        momentum = f(s.momentum) if states else f(0)
-        return _numba_sgd(
-            *split_grad(grad),
-            master,
-            buf,
-            *param_bits(param),
-            FP16_TABLE,
-            self._scratch,
-            f(s.grad_scale),
-            f(s.weight_decay),
-            momentum,
-            f(s.one_minus_dampening),
-            bool(s.nesterov),
-            bool(s.first),
-            f(s.neg_lr),
-        )
+        return (f(s.grad_scale), f(s.weight_decay), self._momentum, f(s.one_minus_dampening),
+                bool(s.nesterov), bool(s.first), f(s.neg_lr))  # fmt: skip
 
 
 # -- the CuPy twin; ``first`` and ``nesterov`` are 0/1 flags; momentum 0 leaves the buffer alone -

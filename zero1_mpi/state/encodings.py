@@ -78,7 +78,7 @@ class Bf16State:
             together) takes: the decoded values' scratch; ``xp``; ``kind``: the twin
             (``"numpy"``, ``"numba"``, ``"cupy"``); ``array``: the array's place in the rule's
             ``state_names`` (its stream of random bits); ``fused``: a Numba twin takes the
-            bits as they are (``form``) and widens and rounds them a chunk at a time.
+            bits as they are (``form``) and widens and rounds each element in its one pass.
     """
 
     dtype = "bfloat16"
@@ -87,8 +87,7 @@ class Bf16State:
     def __init__(self, n: int, largest: int, xp, kind: str, array: int, fused: bool = False):
         self._xp, self._kind, self._array, self._largest = xp, kind, array, largest
         self.held = xp.zeros(n, np.uint16)
-        self._decoded = xp.empty(0 if fused else largest, FP32)  # (fused: a pass's chunk)
-        self._form_scratch = numba_forms.scratch() if fused else np.empty(0, FP32)
+        self._decoded = xp.empty(0 if fused else largest, FP32)  # (fused: none)
         self.chunk = 1 << 62 if fused else largest
         if kind == "numpy":
             self._bits = np.empty(min(largest, self.CHUNK), np.uint32)
@@ -103,7 +102,7 @@ class Bf16State:
     @property
     def scratch_bytes(self) -> int:
         extra = self._bits.nbytes + self._ramp.nbytes if self._kind == "numpy" else 0
-        return self._decoded.nbytes + self._form_scratch.nbytes + extra
+        return self._decoded.nbytes + extra
 
     def real_bytes(self, owned: int) -> int:
         return owned * 2
@@ -134,12 +133,8 @@ class Bf16State:
 
     def form(self, st: slice, flat: int, step: int) -> tuple:
         """The bits over ``st`` (first element: flat index ``flat``) for a Numba twin's one
-        pass at ``step`` (``numba_forms``), which widens and rounds them a chunk at a time."""
-        if self._form_scratch.size == 0:  # (made with ``fused``)
-            self._form_scratch = numba_forms.scratch()
-        return numba_forms.state_form(
-            bits=self.held[st], seed=self._seed(flat, step), scratch=self._form_scratch
-        )
+        pass at ``step`` (``numba_forms``), which widens and rounds each element."""
+        return numba_forms.state_form(bits=self.held[st], seed=self._seed(flat, step))
 
     def _seed(self, flat: int, step: int) -> int:
         """The stream's seed at flat index ``flat`` in ``step`` (element ``i`` after it:

@@ -23,6 +23,7 @@ from .host import keeps_host_share
 __all__ = ["Fp32Masters", "RemainderMasters", "masters_for", "TIE", "MASTERS", "check_masters"]
 
 FP32 = np.dtype(np.float32)
+_NO_TIES = np.zeros(0, np.int64)
 #: Elements per NumPy pass: the int32 scratch stays in cache.
 NUMPY_CHUNK = 1 << 16
 
@@ -79,7 +80,7 @@ class RemainderMasters:
         n: elements of the shard; ``largest``: ``chunk``, the most elements one kernel call
             (or calls used together) takes: the decoded masters' scratch; ``xp``; ``kind``:
             ``"numpy"``, ``"numba"`` or ``"cupy"``; ``fused``: a Numba twin takes the
-            remainders as they are (``form``) and decodes them a chunk at a time.
+            remainders as they are (``form``) and decodes each element in its one pass.
     """
 
     kind = "remainder"
@@ -92,10 +93,10 @@ class RemainderMasters:
         self.remainder = self.held = xp.zeros(n, np.int16)
         #: Sorted positions (in the shard) of the masters half a bf16 step above an even param.
         self.ties = np.zeros(0, np.int64)
-        # ``load``'s scratch, or with ``fused`` (a Numba pass decodes a chunk at a time) that
-        # pass's one chunk, and one kernel call per range.
+        # ``load``'s scratch, or with ``fused`` (a Numba pass decodes each element in its
+        # registers) a chunk of flags for the new ties, and one kernel call per range.
         self._decoded = xp.empty(0 if fused else largest, FP32)
-        self._form_scratch = numba_forms.scratch() if fused else np.empty(0, FP32)
+        self._flags = numba_forms.flags() if fused else np.empty(0, np.bool_)
         self.chunk = 1 << 62 if fused else largest
         if kind == "cupy":
             self._tied = xp.empty(largest, np.bool_)
@@ -115,7 +116,7 @@ class RemainderMasters:
 
     @property
     def scratch_bytes(self) -> int:
-        return self._decoded.nbytes + self._tied.nbytes + self._form_scratch.nbytes
+        return self._decoded.nbytes + self._tied.nbytes + self._flags.nbytes
 
     def load(self, st: slice, at: int, param):
         """The fp32 masters over ``st``, decoded into the scratch at ``at`` (disjoint ranges of
@@ -143,14 +144,12 @@ class RemainderMasters:
 
     def form(self, st: slice) -> tuple:
         """The remainders over ``st`` (and their ties) for a Numba twin's one pass, which
-        decodes and encodes them a chunk at a time (``numba_forms``); ``record_ties`` after."""
-        if self._form_scratch.size == 0:  # (made with ``fused``)
-            self._form_scratch = numba_forms.scratch()
+        decodes and encodes each element (``numba_forms``); ``record_ties`` after."""
+        if self._flags.size == 0:  # (made without ``fused``)
+            self._flags = numba_forms.flags()
         lo, hi = np.searchsorted(self.ties, (st.start, st.stop))
-        return numba_forms.master_form(
-            remainder=self.remainder[st], ties=self.ties[lo:hi] - st.start,
-            scratch=self._form_scratch,
-        )  # fmt: skip
+        ties = self.ties[lo:hi] - st.start if lo < hi else _NO_TIES
+        return numba_forms.master_form(remainder=self.remainder[st], ties=ties, flagged=self._flags)
 
     def record_ties(self, st: slice, ties) -> None:
         """The ties over ``st`` are now ``ties`` (positions from ``st.start``)."""
