@@ -2,9 +2,10 @@
 engine runs, against the NumPy twins bit for bit, and the generated sources' disk cache.
 
 On one process: every rule variant of the registry x masters (fp32, remainder) x state (fp32,
-bf16) with bf16 parameters, and fp32 masters with fp16 and fp32 parameters; the initial masters
-hold ties (half a bf16 step above an even parameter). The multi-rank golden results with the
-Numba kernel are in tests/test_masters.py.
+bf16, 8-bit) with bf16 parameters, and fp32 masters with fp16 and fp32 parameters; the initial masters
+hold ties (half a bf16 step above an even parameter). On 2 ranks (tests/cases/
+generated_kernels.py): the rules x masters x bf16 and 8-bit state x stage 1 and 2, NumPy
+against Numba.
 """
 
 import numpy as np
@@ -14,8 +15,9 @@ import casekit as kit
 from zero1_mpi.kernels.backend import BFLOAT16
 from zero1_mpi.state.masters import TIE
 
+from mpirun import run_mpi
+
 pytest.importorskip("numba")
-pytestmark = pytest.mark.mpi_independent
 
 SHAPES = {"scalar": (), "vec": (7,), "mat": (5, 13), "long": (5000,), "bias": (3,)}
 
@@ -64,11 +66,15 @@ COMBINATIONS = [
     ("bfloat16", "remainder", "bfloat16"),
     ("bfloat16", "fp32", "float32"),
     ("bfloat16", "fp32", "bfloat16"),
+    ("bfloat16", "remainder", "int8"),
+    ("bfloat16", "fp32", "int8"),
+    ("float32", "fp32", "int8"),
     ("float16", "fp32", "bfloat16"),
     ("float32", "fp32", "bfloat16"),
 ]
 
 
+@pytest.mark.mpi_independent
 @pytest.mark.parametrize("param_dtype, masters, state_dtype", COMBINATIONS)
 def test_the_generated_pass_is_the_numpy_twin_bit_for_bit(
     monkeypatch, param_dtype, masters, state_dtype
@@ -91,6 +97,7 @@ def test_the_generated_pass_is_the_numpy_twin_bit_for_bit(
     assert cases >= 5
 
 
+@pytest.mark.mpi_independent
 def test_a_combination_is_written_once_and_a_changed_source_gets_another(monkeypatch, tmp_path):
     from zero1_mpi.kernels import numba_generated as gen
     from zero1_mpi.kernels.numba_forms import BF16_FORM, REMAINDER_FORM
@@ -114,6 +121,7 @@ def test_a_combination_is_written_once_and_a_changed_source_gets_another(monkeyp
     assert len(list(tmp_path.glob("zero1_mpi_generated_*.py"))) == 2
 
 
+@pytest.mark.mpi_independent
 def test_the_cache_directory_is_made_and_an_unwritable_one_is_named(monkeypatch, tmp_path):
     from zero1_mpi.kernels import numba_generated as gen
 
@@ -123,3 +131,9 @@ def test_the_cache_directory_is_made_and_an_unwritable_one_is_named(monkeypatch,
     monkeypatch.setenv("ZERO1_MPI_KERNEL_CACHE", str(tmp_path / "file" / "under"))
     with pytest.raises(OSError, match="set ZERO1_MPI_KERNEL_CACHE to one"):
         gen.cache_dir()
+
+
+def test_numpy_and_numba_give_the_same_bits_on_2_ranks():
+    """Shards starting inside tensors, stage 1 and 2, bf16 and 8-bit state (under every MPI)."""
+    out = run_mpi(2, "generated_kernels.py", timeout=600).stdout
+    assert "OK generated_kernels on 2 ranks" in out, out

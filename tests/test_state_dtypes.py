@@ -114,6 +114,21 @@ def test_the_dynamic_maps():
 
 
 @pytest.mark.mpi_independent
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_first_code_and_one_step_give_every_values_code(signed):
+    """The encoders' shortcut (``FIRST_CODES`` of the top half, then one bound): for both
+    ends of every top half of |x| <= 1 (the code is monotone in x), the count of bounds below."""
+    from zero1_mpi.state.int8_blocks import FIRST_CODES, PAST
+    tops = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    for low in (0, 0xFFFF):
+        x = (tops | np.uint32(low)).view(np.float32)
+        x = x[np.isfinite(x) & (np.abs(x) <= 1)]
+        first = FIRST_CODES[signed][x.view(np.uint32) >> 16].astype(np.int64)
+        one_step = first + (PAST[signed][first] < x)
+        assert np.array_equal(one_step, np.searchsorted(BOUNDS[signed], x, "left"))
+
+
+@pytest.mark.mpi_independent
 @pytest.mark.parametrize("kind", KINDS)
 def test_8bit_state_equals_its_float64_model(kind):
     sizes = [3000, 700, 5000]  # ragged segments, the middle one kept in fp32

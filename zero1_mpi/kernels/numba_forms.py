@@ -1,10 +1,10 @@
 """How the masters and the rule's state are stored, for the Numba twins' one pass per range
 (``numba_generated``): a master form (fp32 masters, or bf16 parameters' int16 remainders with the
-ties beside them) and one state form per state array (fp32, or bf16 bit patterns rounded
-stochastically). A form is a tuple; its first item, its kind, picks the generated kernel. The
-chunk codecs below are the passes of the paths that decode or encode a whole range at once
-(``state.masters``, ``state.encodings``: reads, writes, checkpoints); ``numba_scalars`` holds
-their one-element twins (the same bits).
+ties beside them) and one state form per state array (fp32, bf16 bit patterns rounded
+stochastically, or 8-bit blocks). A form is a tuple; its first item, its kind, picks the
+generated kernel. The chunk codecs below are the passes of the paths that decode or encode a
+whole range at once (``state.masters``, ``state.encodings``: reads, writes, checkpoints);
+``numba_scalars`` holds their one-element twins (the same bits).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = [
     "REMAINDER_FORM",
     "BF16_FORM",
     "NONE_FORM",
+    "INT8_FORM",
     "TIE",
     "master_form",
     "state_form",
@@ -29,7 +30,7 @@ __all__ = [
     "round_stochastic",
 ]
 
-FP32_FORM, REMAINDER_FORM, BF16_FORM, NONE_FORM = 0, 1, 2, 3
+FP32_FORM, REMAINDER_FORM, BF16_FORM, NONE_FORM, INT8_FORM = 0, 1, 2, 3, 4
 #: The remainder of a tie (half a bf16 step above an even parameter): stored as ``-TIE``.
 TIE = 0x8000
 #: The stochastic rounding's odd multiplier of the flat index (``state.encodings``).
@@ -49,16 +50,20 @@ def master_form(fp32=None, remainder=None, ties=None, flagged=None) -> tuple:
     return (REMAINDER_FORM, _F32, remainder, ties, flagged)
 
 
-def state_form(fp32=None, bits=None, seed: int = 0) -> tuple:
-    """One state array over one range: ``fp32`` (updated in place), or bf16 ``bits`` (uint16)
-    rounded with the stream starting at ``seed`` (the range's first element)."""
+def state_form(fp32=None, bits=None, seed: int = 0, codes=None, scales=None) -> tuple:
+    """One state array over one range, as ``(kind, array, seed, scales)``: ``fp32`` (updated in
+    place), bf16 ``bits`` (uint16) rounded with the stream starting at ``seed`` (the range's
+    first element), or 8-bit ``codes`` (uint8) with the fp32 ``scales`` of their blocks
+    (``state.int8_blocks``; the range starts a block)."""
+    if codes is not None:
+        return (INT8_FORM, codes, np.uint32(0), scales)
     if bits is None:
-        return (FP32_FORM, fp32, np.uint32(0))
-    return (BF16_FORM, bits, np.uint32(seed))
+        return (FP32_FORM, fp32, np.uint32(0), _F32)
+    return (BF16_FORM, bits, np.uint32(seed), _F32)
 
 
 #: A state array the rule does not keep (SGD without momentum).
-NO_STATE = (NONE_FORM, _F32, np.uint32(0))
+NO_STATE = (NONE_FORM, _F32, np.uint32(0), _F32)
 
 
 def flags(n: int = CHUNK) -> np.ndarray:

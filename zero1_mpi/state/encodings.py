@@ -173,18 +173,18 @@ def state_for(
     ``array``: its place in the rule's state; ``whole``: a kernel call may need a whole
     bucket's shard decoded at once (a two-phase rule), else a cache-sized chunk on the host;
     ``segments``: the 8-bit state's (``Int8State``); ``fused``: the kernel takes its ``form``
-    (a Numba twin's one pass: fp32 and bf16)."""
+    (a Numba twin's one pass)."""
     if dtype == "float32":
         return Fp32State(xp.zeros(n, FP32))
     kept = Bf16State if dtype == "bfloat16" else Int8State
     chunk = largest if whole or compute == "cupy" else min(largest, kept.CHUNK)
     if dtype == "bfloat16":
         return Bf16State(n, chunk, xp, compute, array, fused)
-    return Int8State(n, segments, chunk, xp, compute)
+    return Int8State(n, segments, chunk, xp, compute, fused)
 
 
 #: The state encodings a Numba twin's one pass reads and writes as they are (``form``).
-FUSED_STATE_DTYPES = ("float32", "bfloat16")
+FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def sr_bits(x):

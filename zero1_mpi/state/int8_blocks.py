@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels import backend
+from ..kernels import backend, numba_forms
+from ..kernels.numba_scalars import bits_of, float_of
 from ..kernels.numba_shared import compile_marked, jit
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "CODES",
     "BOUNDS",
     "FIRST_CODES",
+    "PAST",
+    "numba_encode8",
 ]
 
 FP32 = np.dtype(np.float32)
@@ -58,8 +61,8 @@ def _first_codes(bounds) -> np.ndarray:
 
 
 FIRST_CODES = {s: _first_codes(b) for s, b in BOUNDS.items()}
-#: The bounds and one past the last (inf), for the scan from a first code.
-_PAST = {s: np.append(b, np.float32(np.inf)) for s, b in BOUNDS.items()}
+#: The bounds and one past the last (inf), for the step from a first code.
+PAST = {s: np.append(b, np.float32(np.inf)) for s, b in BOUNDS.items()}
 #: Values per fp32 scale of the 8-bit state (a multiple divides ``Int8State.CHUNK``).
 STATE_BLOCK = 256
 #: Tensors with fewer elements keep fp32 state (bitsandbytes' ``min_8bit_size``): their bytes are
@@ -87,7 +90,7 @@ class Int8State:
     dtype = "int8"
     CHUNK = 1 << 16  # host elements per kernel call: a multiple of STATE_BLOCK
 
-    def __init__(self, n: int, segments, largest: int, xp, kind: str):
+    def __init__(self, n: int, segments, largest: int, xp, kind: str, fused: bool = False):
         self._xp, self._kind = xp, kind
         self.held = xp.zeros(n, np.uint8)
         starts, stops, quantized, offsets, blocks, side = [], [], [], [], 0, 0
@@ -104,10 +107,14 @@ class Int8State:
         self._quantized, self._offsets = quantized, offsets
         self.scales = xp.zeros(blocks, FP32)  # 0: a zero block (the state starts at 0)
         self.side = xp.zeros(side, FP32)
-        self._decoded = xp.empty(largest, FP32)
-        self.chunk = largest
+        # ``load``'s scratch; with ``fused`` (a Numba pass decodes and encodes each block in
+        # its one pass: ``form``) none, and a kernel call takes a whole tensor piece
+        self._decoded = xp.empty(0 if fused else largest, FP32)
+        self._largest = largest
+        self.chunk = 1 << 62 if fused else largest
         if kind == "numba":
             compile_marked(globals())
+        self._quotients = np.empty(STATE_BLOCK, FP32)  # (the Numba encoder's scratch)
         self._codes = {s: xp.asarray(c) for s, c in CODES.items()}
         self._bounds = {s: xp.asarray(b) for s, b in BOUNDS.items()}
 
@@ -124,10 +131,21 @@ class Int8State:
         the fp32 side array."""
         return owned + self.scales.nbytes + self.side.nbytes
 
+    def form(self, st: slice, flat: int, step: int) -> tuple:
+        """The state over ``st`` for a Numba twin's one pass (``numba_forms``): the codes and
+        the scales of its blocks, or a small tensor's fp32 values."""
+        i, first = self._blocks_of(st)
+        if not self._quantized[i]:
+            return numba_forms.state_form(fp32=self.side[first : first + st.stop - st.start])
+        blocks = self.scales[first : first + _blocks(st.stop - st.start)]
+        return numba_forms.state_form(codes=self.held[st], scales=blocks)
+
     def load(self, st: slice, at: int):
         i, first = self._blocks_of(st)
         if not self._quantized[i]:  # a small tensor's: fp32, updated in place
             return self.side[first : first + st.stop - st.start]
+        if self._decoded.size == 0:  # (made with ``fused``)
+            self._decoded = self._xp.empty(self._largest, FP32)
         out = self._decoded[at : at + st.stop - st.start]
         self._decode(self.held[st], self.scales[first:], out)
         return out
@@ -205,7 +223,7 @@ class Int8State:
     def _decode(self, codes, scales, out) -> None:
         n = codes.size
         if self._kind == "numba":
-            _numba_decode8(codes, scales, CODES[False], CODES[True], out, STATE_BLOCK)
+            numba_decode8(codes, scales, CODES[False], CODES[True], out, STATE_BLOCK)
         elif self._kind == "cupy":
             _cuda_kernel8("decode")(codes, scales, self._codes[False], self._codes[True],
                                     STATE_BLOCK, out)  # fmt: skip
@@ -217,8 +235,9 @@ class Int8State:
     def _encode(self, values, codes, scales) -> None:
         n = values.size
         if self._kind == "numba":
-            _numba_encode8(values, BOUNDS[False], BOUNDS[True], FIRST_CODES[False],
-                           FIRST_CODES[True], codes, scales, STATE_BLOCK)  # fmt: skip
+            numba_encode8(values, PAST[False], PAST[True], FIRST_CODES[False],
+                           FIRST_CODES[True], codes, scales, STATE_BLOCK,
+                           self._quotients)  # fmt: skip
             return
         if self._kind == "cupy":
             _cuda_kernel8("scales")(values, n, STATE_BLOCK, scales)
@@ -239,7 +258,7 @@ class Int8State:
         top = x.view(np.uint32) >> np.uint32(16)
         code = np.where(up, FIRST_CODES[False][top], FIRST_CODES[True][top]).astype(np.int32)
         while True:  # the scan: a bound or two between the first code and x, at most
-            below = np.where(up, _PAST[False][code], _PAST[True][code]) < x
+            below = np.where(up, PAST[False][code], PAST[True][code]) < x
             if not below.any():
                 break
             code += below
@@ -305,7 +324,7 @@ def exact_codes(values, codes, scales):
 
 
 @jit
-def _numba_decode8(codes, scales, unsigned, signed, out, block):
+def numba_decode8(codes, scales, unsigned, signed, out, block):
     for i in range(codes.size):
         s = scales[i // block]
         table = signed if np.signbit(s) else unsigned
@@ -313,32 +332,41 @@ def _numba_decode8(codes, scales, unsigned, signed, out, block):
 
 
 @jit
-def _numba_encode8(values, unsigned, signed, first_unsigned, first_signed, codes, scales, block):
+def numba_encode8(
+    values, unsigned, signed, first_unsigned, first_signed, codes, scales, block, quotients
+):
+    """``values`` encoded (``Int8State``): per block its scale, and each value's code, its
+    first code (``FIRST_CODES``) plus whether the next bound (``unsigned``/``signed``: the
+    bounds with inf appended, ``PAST``) lies below it: one step, always enough (a top half
+    holds at most one bound; tests/test_state_dtypes.py checks every top half).
+    ``quotients``: ``block`` fp32 of scratch (the divisions in a loop of their own vectorize)."""
     n = values.size
     for b in range((n + block - 1) // block):
         lo, hi = b * block, min(n, (b + 1) * block)
-        amax, low, bad = np.float32(0.0), np.float32(0.0), False
+        # On the bits: the largest magnitude's (inf or nan above 0x7F800000) and whether a
+        # value is below 0 (sign bit and a magnitude): integer reductions, which vectorize.
+        top, negative = np.uint32(0), np.uint32(0)
         for i in range(lo, hi):
-            a = abs(values[i])
-            if not a <= np.float32(3.4028234663852886e38):
-                bad = True
-            elif a > amax:
-                amax = a
-            if values[i] < low:
-                low = values[i]
-        up = low >= 0 and not bad
+            u = bits_of(values[i])
+            m = u & np.uint32(0x7FFFFFFF)
+            top = np.uint32(m if m > top else top)
+            negative = np.uint32(negative | (u > np.uint32(0x80000000)))
+        bad = top >= np.uint32(0x7F800000)
+        amax = float_of(top)
+        up = negative == 0
         scales[b] = np.float32(np.nan) if bad else (amax if up else -amax)
-        bounds = unsigned if up else signed
+        if bad or top == 0:
+            codes[lo:hi] = 0
+            continue
+        past = unsigned if up else signed
         starts = first_unsigned if up else first_signed
-        for i in range(lo, hi):
-            if bad or amax == 0:
-                codes[i] = 0
-                continue
-            x = values[i] / amax
-            code = np.int32(starts[np.int32(np.float32(x).view(np.uint32) >> np.uint32(16))])
-            while code < bounds.size and bounds[code] < x:  # how many bounds lie below x
-                code += 1
-            codes[i] = code
+        v, out = values[lo:hi], codes[lo:hi]
+        for i in range(hi - lo):
+            quotients[i] = v[i] / amax
+        for i in range(hi - lo):
+            x = quotients[i]
+            code = np.int32(starts[bits_of(x) >> np.uint32(16)])
+            out[i] = code + (past[code] < x)
 
 
 _CUDA8: dict[str, tuple[str, str, str]] = {
