@@ -74,6 +74,7 @@ from zero1_mpi.state.int8_blocks import STATE_BLOCK as BLOCK
 from {module} import {element} as element
 
 UNSIGNED, SIGNED = CODES[False], CODES[True]
+NOT_TIE, A_TIE = np.uint32(0), np.uint32(1)  # (32 bits: the decoding stays in 32-bit lanes)
 PAST_U, PAST_S = PAST[False], PAST[True]
 FIRST_U, FIRST_S = FIRST_CODES[False], FIRST_CODES[True]
 '''
@@ -84,8 +85,8 @@ _BLOCK = '''
 def block(a, b, tie, a0, c0, grad, master, rem, param, {states}, {seeds}, {scales}, {news},
           table, s, flags):
     """Elements ``[a, b)`` of the block from ``c0`` (the 8-bit state's: its new values go to
-    ``new`` from ``c0``), in the chunk of flags from ``a0``; ``tie``: 1 for a tie kept above its
-    parameter (one element).
+    ``new`` from ``c0``); element ``i``'s flag is ``flags[i - a0]``; ``tie``: 1 for a tie kept
+    above its parameter (one element).
     (Views from ``a``, indexed from 0: Numba then knows no index is negative, and the loop
     vectorizes.)"""
     grad, master, rem, param, flags = grad[a:b], master[a:b], rem[a:b], param[a:b], flags[a - a0:]
@@ -109,16 +110,44 @@ _STORE_REMAINDERS = """        q = rne_bf16(p)
 
 _PASS = '''
 
+@jit(inline="never")
+def collect(flags, start, size, first, found, total):
+    """Append ``first + j`` to ``found`` (grown if needed) for each flag ``j`` set of the
+    ``size`` from ``start`` (a multiple of 8); returns ``(found, total)``. The flags are OR-ed a
+    word at a time first: most chunks have none. (Views indexed from 0, and ``found`` grown
+    outside the loops: each loop then vectorizes or at least has no reference counting.)"""
+    mine = flags[start : start + size]
+    words = flags[start : start + (size + 7) // 8 * 8].view(np.uint64)
+    seen = np.uint64(0)
+    for j in range(words.size):  # (past size: an earlier chunk's flags, not taken below)
+        seen |= words[j]
+    if seen == 0:
+        return found, total
+    count = 0
+    for j in range(mine.size):
+        count += mine[j]
+    if total + count > found.size:
+        grown = np.empty(max(16, 2 * (total + count)), np.int64)
+        grown[:total] = found[:total]
+        found = grown
+    into = found[total : total + count]
+    k = 0
+    for j in range(mine.size):
+        if mine[j]:
+            into[k] = first + j
+            k += 1
+    return found, total + count
+
+
 @jit
 def kernel(grad, master, rem, ties, param, {states}, {seeds}, {scales}, table, s, flags, found,
            n):
     """The range's ``n`` elements, a chunk of ``flags`` at a time (a block of the 8-bit state
     at a time within it); returns the new ties' sorted positions (in ``found``, grown if
-    needed) and how many. (A count of the ties inside the loop would stop it vectorizing: the
-    flags are OR-ed a word at a time instead.)"""
+    needed) and how many. (A count of the ties inside the loop would stop it vectorizing: they
+    are flagged, and the chunk's flags collected after it.)"""
 {allocate}
     args = (grad, master, rem, param, {states}, {seeds}, {scales}, {news}, table, s, flags)
-    words = flags.view(np.uint64)
     total, t = 0, 0
     for a0 in range(0, n, flags.size):
         b0 = min(n, a0 + flags.size)
@@ -126,23 +155,12 @@ def kernel(grad, master, rem, ties, param, {states}, {seeds}, {scales}, table, s
             c1 = min(b0, c0 + {step})
             a = c0
             while t < ties.size and ties[t] < c1:
-                block(a, ties[t], 0, a0, c0, *args)
-                block(ties[t], ties[t] + 1, 1, a0, c0, *args)
+                block(a, ties[t], NOT_TIE, a0, c0, *args)
+                block(ties[t], ties[t] + 1, A_TIE, a0, c0, *args)
                 a, t = ties[t] + 1, t + 1
-            block(a, c1, 0, a0, c0, *args)
+            block(a, c1, NOT_TIE, a0, c0, *args)
 {encode}
-        seen = np.uint64(0)
-        for j in range(words.size):  # (past b0 - a0: an earlier chunk's flags, checked below)
-            seen |= words[j]
-        if seen:
-            for j in range(b0 - a0):
-                if flags[j]:
-                    if total == found.size:
-                        grown = np.empty(max(16, 2 * found.size), np.int64)
-                        grown[:total] = found[:total]
-                        found = grown
-                    found[total] = a0 + j
-                    total += 1
+        found, total = collect(flags, 0, b0 - a0, a0, found, total)
     return found, total
 
 

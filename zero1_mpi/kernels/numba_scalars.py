@@ -69,10 +69,11 @@ def widen_bf16(b16):
 @jit
 def rne_bf16(x):
     """``x`` rounded to bf16 (nearest even; NaN stays a quiet NaN), as bits."""
-    u = bits_of(x)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    quiet_nan = (u >> np.uint32(16)) | np.uint32(0x40)
-    is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    u = bits_of(x)  # (each step cast back to 32 bits: Numba widens, and 64-bit lanes halve
+    top = np.uint32(u >> np.uint32(16))  # what a vector register holds)
+    rounded = np.uint32(np.uint32(u + np.uint32(0x7FFF) + (top & np.uint32(1))) >> np.uint32(16))
+    quiet_nan = np.uint32(top | np.uint32(0x40))
+    is_nan = np.uint32(u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
     return np.uint16(quiet_nan if is_nan else rounded)
 
 
@@ -123,8 +124,9 @@ def round_stochastic(x, at):
 def decode_remainder(param, rem, tie):
     """The fp32 master of bf16 ``param`` bits and its int16 remainder ``rem``; ``tie``: 1
     where the remainder is a tie kept above the parameter (stored as ``-TIE``), else 0."""
+    high = np.uint32(np.uint32(param) << np.uint32(16))
     bits = np.uint32(
-        (np.uint32(param) << np.uint32(16)) + np.uint32(np.int32(rem)) + np.uint32(tie * 2 * TIE)
+        high + np.uint32(np.int32(rem)) + np.uint32(np.uint32(tie) * np.uint32(2 * TIE))
     )
     return float_of(bits)
 
@@ -133,4 +135,4 @@ def decode_remainder(param, rem, tie):
 def remainder_of(x, param):
     """The remainder of the fp32 master ``x`` against its bf16 rounding ``param`` (int32: a tie
     is ``TIE``, which int16 keeps as ``-TIE``)."""
-    return np.int32(np.uint32(bits_of(x)) - (np.uint32(param) << np.uint32(16)))
+    return np.int32(np.uint32(bits_of(x) - np.uint32(np.uint32(param) << np.uint32(16))))
