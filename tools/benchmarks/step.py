@@ -146,11 +146,12 @@ def worker(args) -> dict:
 
     result["overlap"] = overlap_experiment(comm, opt, shapes, args)
     report_ = opt.memory_report()
-    owned = opt.layout.owned_real(rank)
     result["zero1"] = {**median_phases(zero1_step),
                        "bytes": common.slowest(comm, report_.total),
-                       "state_bytes": common.slowest(comm, owned * state_bytes),
-                       "formula_bytes": psi * 2 * dtype.itemsize + psi * state_bytes / size}
+                       # (the masters and state as kept: bf16's remainder masters take 2 bytes)
+                       "state_bytes": common.slowest(comm, report_.optimizer_state),
+                       "formula_bytes": psi * 2 * dtype.itemsize
+                       + psi * report_.bytes_per_param / size}
     opt = None  # free its buffers before the baseline allocates its own
 
     # (a) plain data parallelism: Allreduce in fp32, the full update on every rank, same kernel.
