@@ -87,6 +87,19 @@ def init_values(shapes=SHAPES, seed=5, xp=np, r=0) -> dict:
                           .astype(np.float32)) for k, s in shapes.items()}
 
 
+def with_ties(values: dict) -> dict:
+    """``values`` with every third element moved onto a tie (its bits: an even bf16 high half
+    and exactly half a step more): what bf16's remainder masters keep apart."""
+    from zero1_mpi.state.masters import TIE
+    out = {}
+    for k, v in values.items():
+        v = np.array(v, np.float32).reshape(-1)
+        bits = v.view(np.uint32)
+        bits[::3] = (bits[::3] & 0xFFFE0000) | TIE
+        out[k] = v.reshape(values[k].shape)
+    return out
+
+
 def grads_of(r, step, shapes=SHAPES, dtype=np.float32, seed=13, micro=0, scale=None,
              exact=False) -> dict:
     """Rank ``r``'s gradients of ``step`` in ``dtype``; they grow with the rank (x1, x2, x4 ..

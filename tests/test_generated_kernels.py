@@ -13,7 +13,6 @@ import pytest
 
 import casekit as kit
 from zero1_mpi.kernels.backend import BFLOAT16
-from zero1_mpi.state.masters import TIE
 
 from mpirun import run_mpi
 
@@ -22,24 +21,13 @@ pytest.importorskip("numba")
 SHAPES = {"scalar": (), "vec": (7,), "mat": (5, 13), "long": (5000,), "bias": (3,)}
 
 
-def with_ties(values: dict) -> dict:
-    """Every third element moved onto a tie."""
-    out = {}
-    for k, v in values.items():
-        v = np.array(v, np.float32).reshape(-1)
-        bits = v.view(np.uint32)
-        bits[::3] = (bits[::3] & 0xFFFE0000) | TIE
-        out[k] = v.reshape(values[k].shape)
-    return out
-
-
 def run(monkeypatch, kernel, variant, options, **engine):
     """Four steps of ``variant`` with ``kernel`` (``ZERO1_MPI_KERNEL``); the parameters and
     the state rows after each."""
     monkeypatch.setenv("ZERO1_MPI_KERNEL", kernel)
     opt = kit.build(
         variant,
-        kit.groups_of(with_ties(kit.init_values(SHAPES)), options),
+        kit.groups_of(kit.with_ties(kit.init_values(SHAPES)), options),
         kit.world,
         options,
         bucket_elements=2048,

@@ -17,24 +17,13 @@ import numpy as np
 import casekit as kit
 from casekit import check, rank, size
 from zero1_mpi.kernels.backend import BFLOAT16
-from zero1_mpi.state.masters import TIE
 
 SHAPES = {"emb": (37, 300), "w": (301, 29), "bias": (3,), "long": (9001,)}
 
 
-def with_ties(values: dict) -> dict:
-    out = {}
-    for k, v in values.items():
-        v = np.array(v, np.float32).reshape(-1)
-        bits = v.view(np.uint32)
-        bits[::3] = (bits[::3] & 0xFFFE0000) | TIE
-        out[k] = v.reshape(values[k].shape)
-    return out
-
-
 def run(kernel, variant, options, **engine):
     os.environ["ZERO1_MPI_KERNEL"] = kernel
-    opt = kit.build(variant, kit.groups_of(with_ties(kit.init_values(SHAPES)), options),
+    opt = kit.build(variant, kit.groups_of(kit.with_ties(kit.init_values(SHAPES)), options),
                     kit.world, options, bucket_elements=8192, **engine)
     check(opt.kernel == kernel, f"kernel {opt.kernel}, not {kernel}")
     seen = []

@@ -24,7 +24,6 @@ import casekit as kit
 from casekit import check, rank, size, world
 from zero1_mpi import ZeroAdamW, ZeroSGD
 from zero1_mpi.kernels.backend import BFLOAT16
-from zero1_mpi.state.masters import TIE
 
 parser = argparse.ArgumentParser()
 parser.add_argument("directory", type=Path)
@@ -32,18 +31,6 @@ parser.add_argument("sub_cases", nargs="*")
 ARGS = parser.parse_args()
 SHAPES = {"scalar": (), "vec": (7,), "mat": (5, 13), "long": (700,), "bias": (3,)}
 STEPS = 4
-
-
-def with_ties(values: dict) -> dict:
-    """``values`` with every third element moved onto a tie (its bits: an even bf16 high half
-    and exactly half a step more)."""
-    out = {}
-    for k, v in values.items():
-        v = np.array(v, np.float32).reshape(-1)
-        bits = v.view(np.uint32)
-        bits[::3] = (bits[::3] & 0xFFFE0000) | TIE
-        out[k] = v.reshape(values[k].shape)
-    return out
 
 
 def ties_everywhere(opt) -> int:
@@ -59,7 +46,7 @@ def same_state(a, b, where) -> None:
 
 
 def make(variant, options, masters, stage2=False, k=None, on=world):
-    init = with_ties(kit.init_values(SHAPES))
+    init = kit.with_ties(kit.init_values(SHAPES))
     params = kit.groups_of(init, options)
     engine = {"bucket_elements": 64, "max_grad_norm": 5.0, "param_dtype": "bfloat16",
               "masters": masters, "shard_gradients": stage2, "shard_group_size": k}
@@ -120,7 +107,7 @@ def ties():
 def checkpoint():
     """Both directions between the modes, and from N ranks to one."""
     for saver, loader in (("remainder", "fp32"), ("fp32", "remainder")):
-        init = with_ties(kit.init_values(SHAPES))
+        init = kit.with_ties(kit.init_values(SHAPES))
         opt = ZeroAdamW(dict(init), world, lr=1e-2, param_dtype="bfloat16", masters=saver,
                         bucket_elements=64)
         kit.train(opt, range(3), SHAPES)
@@ -147,7 +134,7 @@ def checkpoint():
 
 
 def ledger():
-    opt = ZeroAdamW(with_ties(kit.init_values(SHAPES)), world, param_dtype="bfloat16",
+    opt = ZeroAdamW(kit.with_ties(kit.init_values(SHAPES)), world, param_dtype="bfloat16",
                     bucket_elements=64)
     kit.train(opt, range(2), SHAPES)
     r = opt.memory_report()
