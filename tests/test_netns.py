@@ -312,7 +312,9 @@ def test_link_down_mid_training_ends_the_job_within_the_step_timeout():
                        r"gather)'( of bucket \d+)? within 5 s \(step_timeout\)", err)
     assert lines, err
     steps = [int(s) for s in re.findall(r"^step (\d+) at", out, re.M)]
-    assert all(int(step) > max(steps) for _, step, _, _ in lines), (steps, lines)
+    # (a rank may still wait in the gather of the step rank 0 has finished and printed: the
+    # link went down after rank 0 had its buckets, before the others had theirs)
+    assert all(int(step) >= max(steps) for _, step, _, _ in lines), (steps, lines)
     assert all(bool(bucket) == (phase != "agree") for _, _, phase, bucket in lines), lines
     exited = "was stopped at the cap" if ended is None else f"exited after {ended:.1f} s"
     print(f"link down: ranks gone after {gone:.1f} s, the script {exited} ({status}); {lines}")
