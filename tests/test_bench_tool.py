@@ -129,7 +129,8 @@ def test_state_modes_measure_their_bytes_per_parameter(tmp_path):
     assert [(r["mode"], r["k_formula"], r["moved_bytes"]) for r in rows] == [
         ("fp32 masters", 12, 28), ("remainder masters", 10, 26), ("fp32 + bf16 state", 8, 20),
         ("remainder + bf16 state", 6, 18),
-        ("remainder + int8 state", 2 + 2 * (1 + 4 / 256), 10 + 2 * (2 + 8 / 256))]
+        ("remainder + int8 state", 2 + 2 * (1 + 4 / 256), 10 + 2 * (2 + 8 / 256)),
+        ("fp32 + int8 state", 4 + 2 * (1 + 4 / 256), 12 + 2 * (2 + 8 / 256))]
     for r in rows:  # the sharded bytes of one rank: K per parameter, a few ties at most, and
         # the 8-bit state's last partial blocks
         assert r["k_formula"] <= r["k"] < r["k_formula"] + 0.01 and r["step_ms"] > 0

@@ -106,8 +106,8 @@ def test_device_memory_is_measured_and_follows_the_formula(masters, per_param):
     """What the optimizer takes from CuPy's memory pool equals memory_report().device_bytes
     (all but the page-locked staging buffers of an MPI that is not CUDA-aware), and grows
     with Ψ as the formula does (N = 1: 2Ψ + 2Ψ + 12Ψ, 16 bytes per bf16 parameter with fp32
-    masters; 14 with the 2-byte remainders) plus the scratch the report lists (the remainders
-    decode a bucket's shard into fp32 on the GPU)."""
+    masters; 14 with the 2-byte remainders) plus the scratch the report lists (the one pass
+    reads the remainders as they are: only their new ties' mask, a bit per element)."""
     pool = cupy.get_default_memory_pool()
     measured = []
     for psi in (1_000_000, 3_000_000):
@@ -127,6 +127,35 @@ def test_device_memory_is_measured_and_follows_the_formula(masters, per_param):
     assert report1.formula_bytes - report0.formula_bytes == per_param * 2_000_000
     scratch = report1.comm_scratch - report0.comm_scratch
     assert abs(held1 - held0 - per_param * 2_000_000 - scratch) <= slack, (held1 - held0, scratch)
+
+
+@pytest.mark.parametrize("masters", ["fp32", "remainder"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_the_one_pass_on_the_gpu_is_the_numpy_twin_within_contraction(masters, state_dtype):
+    """Each stored form's generated kernel (kernels/cuda_generated.py), through the engine on
+    CuPy arrays, against the NumPy twin on the host: the same bits but where NVRTC contracts
+    a * b + c (each bf16 parameter within 2 steps after 4 updates)."""
+    from zero1_mpi import ZeroAdamW as Opt
+
+    rng = np.random.default_rng(4)
+    init = {"w": rng.standard_normal((64, 300)).astype(np.float32), "b": np.zeros(300, np.float32)}
+    grads = [{k: (rng.standard_normal(v.shape) * 1e-2).astype(np.float32) for k, v in init.items()}
+             for _ in range(4)]
+    seen = []
+    for xp in (np, cupy):
+        opt = Opt({k: xp.asarray(v) for k, v in init.items()}, MPI.COMM_SELF, lr=1e-2,
+                  param_dtype="bfloat16", masters=masters, state_dtype=state_dtype)
+        assert xp is np or opt.kernel == "cupy"
+        for g in grads:
+            for k, v in g.items():
+                opt.grads[k][...] = xp.asarray(v).astype(opt.grads[k].dtype)
+            opt.step()
+        seen.append({k: np.asarray(v.get() if xp is cupy else v).astype(np.float32)
+                     for k, v in opt.params.items()})
+        opt.close()
+    for k in init:
+        assert max_ulp_diff(seen[1][k].astype(PARAM_DTYPES["bfloat16"]),
+                            seen[0][k].astype(PARAM_DTYPES["bfloat16"])) <= 2, k
 
 
 @pytest.mark.parametrize("dtype_name", list(PARAM_DTYPES))

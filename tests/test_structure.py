@@ -101,7 +101,7 @@ LAYERS = (
         "gradients", "state", "persistence", "config", "step", "step.records"}),
     ("arrays and MPI", {
         "kernels.backend", "kernels.numba_shared", "kernels.numba_forms", "kernels.local_sums",
-        "kernels.numba_scalars", "kernels.numba_generated",
+        "kernels.numba_scalars", "kernels.numba_generated", "kernels.cuda_generated",
         "comm",
         "comm.communicator", "comm.capabilities", "comm.agreement", "comm.started",
         "comm.staging", "flat.inputs", "wire.codec",

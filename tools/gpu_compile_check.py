@@ -231,6 +231,7 @@ def drive(recorder):
     Each variant of each registered rule, with its optimizer's default options, with fp32
     parameters (fp32 gradients) and with 16-bit ones (gradients in the parameter dtype, as
     summed over ranks in it or on one rank, or fp32 after a 16-bit exchange summed in fp32);
+    and for an elementwise rule its one pass over the other stored forms (``stored_forms``);
     then the engine's reductions on every gradient dtype (LAMB's sums of squares of the fp32
     masters come with it), the 8-bit wire codec on every dtype (with error feedback), and the
     remainder masters' decode and encode, the bf16 state's widening and rounding, and the 8-bit
@@ -270,6 +271,17 @@ def drive(recorder):
                     yield case, exc
                 else:
                     yield case, None
+                if rule.tensor_sums or not hasattr(kernel, "launch"):
+                    continue  # (a rule whose CuPy twin is not a GeneratedCudaKernel)
+                # The one pass over each other way of storing the masters and the state.
+                for masters, state in stored_forms(param_dtype):
+                    try:
+                        master_form, state_forms = forms(cupy, rule, masters, state)
+                        kernel.launch(grad, master_form, state_forms, param, scalars)
+                    except Exception as exc:  # noqa: BLE001
+                        yield f"{case}, masters {masters}, state {state}", exc
+                    else:
+                        yield f"{case}, masters {masters}, state {state}", None
     for dtype in backend.PARAM_DTYPES.values():
         case = f"the engine's reductions, {dtype.name}"
         try:
@@ -296,7 +308,9 @@ def drive(recorder):
         _cuda_kernel("decode")(fake_array(cupy, (N,), np.uint16), fake_array(cupy, (N,), np.int16),
                                fake_array(cupy, (N,), np.int32))
         _cuda_kernel("encode")(fake_array(cupy, (N,), np.int32), fake_array(cupy, (N,), np.uint16),
-                               fake_array(cupy, (N,), np.int16), fake_array(cupy, (N,), np.bool_))
+                               fake_array(cupy, (N,), np.int16),
+                               fake_array(cupy, (N // 32,), np.uint32),
+                               fake_array(cupy, (1,), np.int32))
     except Exception as exc:  # noqa: BLE001
         yield case, exc
     else:
@@ -322,6 +336,49 @@ def drive(recorder):
         yield case, exc
     else:
         yield case, None
+
+
+def stored_forms(param_dtype):
+    """``(masters, state dtype)``: the stored forms of an elementwise rule's one pass
+    (``kernels/cuda_generated.py``) beside fp32 masters and state, which the plain launch
+    compiles: bf16 and 8-bit state with any masters, and bf16's remainder masters with each
+    state."""
+    found = [("fp32", "bfloat16"), ("fp32", "int8")]
+    if param_dtype == backend.BFLOAT16:
+        found += [("remainder", state) for state in ("float32", "bfloat16", "int8")]
+    return found
+
+
+def forms(cupy, rule, masters, state):
+    """Stand-in stored forms (``numba_forms``) of the masters and of each of ``rule``'s state
+    arrays, on arrays of ``N`` elements."""
+    from types import SimpleNamespace
+
+    from zero1_mpi.kernels import cuda_generated
+    from zero1_mpi.kernels.numba_forms import master_form, state_form
+
+    fp32 = np.float32
+    # The 8-bit maps and bounds the pass reads, as they would be on the device.
+    cuda_generated._TABLES[id(backend._cupy())] = (
+        fake_array(cupy, (256,), fp32), fake_array(cupy, (256,), fp32),
+        fake_array(cupy, (255,), fp32), fake_array(cupy, (255,), fp32))
+    if masters == "remainder":
+        flags = SimpleNamespace(mask=fake_array(cupy, (N // 32,), np.uint32),
+                                count=fake_array(cupy, (1,), np.int32))
+        master = master_form(remainder=fake_array(cupy, (N,), np.int16),
+                             ties=fake_array(cupy, (0,), np.int64), flagged=flags)
+    else:
+        master = master_form(fp32=fake_array(cupy, (N,), fp32))
+    if state == "float32":
+        made = [state_form(fp32=fake_array(cupy, (N,), fp32)) for _ in rule.state_names]
+    elif state == "bfloat16":
+        made = [state_form(bits=fake_array(cupy, (N,), np.uint16), seed=7)
+                for _ in rule.state_names]
+    else:
+        made = [state_form(codes=fake_array(cupy, (N,), np.uint8),
+                           scales=fake_array(cupy, (N // 256,), fp32))
+                for _ in rule.state_names]
+    return master, tuple(made)
 
 
 def kernel_sites(package: Path) -> tuple[list, list]:

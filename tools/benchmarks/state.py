@@ -12,7 +12,9 @@ parameter (``memory_report().optimizer_state / Ψ``: K). The update alone (the s
 state are stored (``moved_bytes``: the 16-bit gradient read, the parameter, the masters and each
 state array read and written), and the GB/s that makes as a share of the in-place stream
 (``a += b`` over fp32 arrays of Ψ elements, read a and b, write a) measured in the same run on
-the host. Example: python tools/bench.py state --params 16M --kernels numpy,numba
+the host, or on the GPU (--backend cupy; there the update's time is the synchronized step's, of
+which it is all but the launches on one rank). Example: python tools/bench.py state --params
+16M --kernels numpy,numba
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ MODES = (
     ("fp32 + bf16 state", {"masters": "fp32", "state_dtype": "bfloat16"}),
     ("remainder + bf16 state", {"masters": "remainder", "state_dtype": "bfloat16"}),
     ("remainder + int8 state", {"masters": "remainder", "state_dtype": "int8"}),
+    ("fp32 + int8 state", {"masters": "fp32", "state_dtype": "int8"}),
 )
 #: Bytes per element a state array of each encoding is read and written with (8 bits: the
 #: codes and one fp32 scale per block of 256, ``state.int8_blocks``).
@@ -100,13 +103,22 @@ def measure(xp, psi: int, rule: str, steps: int, kernel: str) -> list[dict]:
             if step:  # the first step compiles
                 spent.append(time.perf_counter() - start)
                 update.append(opt.last_step_seconds["update"])
-    a, b = np.ones(psi, np.float32), np.zeros(psi, np.float32)
-    stream = 3 * a.nbytes / min(common.clock(lambda: np.add(a, b, out=a)) for _ in range(5)) / 1e9
+    a, b = xp.ones(psi, np.float32), xp.zeros(psi, np.float32)
+
+    def add():
+        xp.add(a, b, out=a)
+        if device:
+            xp.cuda.Device().synchronize()
+
+    add()
+    stream = 3 * a.nbytes / min(common.clock(add) for _ in range(5)) / 1e9
     base = float(np.median(times[0]))
     rows = []
     for (label, engine), opt, spent, update in zip(MODES, opts, times, updates):
         report = opt.memory_report()
         ms, update_s = float(np.median(spent)), float(np.median(update))
+        if device:  # (the update's kernels run after their launches: the synchronized step)
+            update_s = ms
         moved = moved_bytes(len(opt.rule.state_names), engine)
         rows.append({"mode": label, "options": engine, "kernel": kernel, "psi": psi,
                      "rule": rule, "step_ms": 1e3 * ms, "ratio": ms / base,

@@ -10,6 +10,8 @@
 - ``numba_scalars.py``: the same codecs on one element (fp32 bits by LLVM bitcasts).
 - ``numba_generated.py``: that one pass, generated per combination of a rule's element math
   and the stored forms, and cached on disk (``ZERO1_MPI_KERNEL_CACHE``).
+- ``cuda_generated.py``: the CuPy twins' one pass, one ``ElementwiseKernel`` generated per
+  combination of a rule's element math (CUDA) and the same stored forms.
 - ``local_sums.py``: the engine's own sums (sums of squares for the norm, blocks received from
   every rank summed in fp32) in three twins, and which CPU kernel family runs
   (``ZERO1_MPI_KERNEL``).

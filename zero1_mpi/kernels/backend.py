@@ -21,6 +21,7 @@ __all__ = [
     "backend_name",
     "host_dtype",
     "xp_for",
+    "xp_of",
     "use_device",
     "synchronize",
     "zeros",
@@ -78,6 +79,11 @@ def xp_for(name: str):
     if name == "cupy":
         return _cupy()
     raise ValueError(f"backend={name!r} is not known: use 'numpy' or 'cupy'")
+
+
+def xp_of(array):
+    """The array module of ``array`` (CuPy for a device array, else NumPy)."""
+    return _cupy() if is_device_array(array) else np
 
 
 def _cupy():

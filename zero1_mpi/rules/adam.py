@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels import backend
+from ..kernels.cuda_generated import GeneratedCudaKernel
 from ..kernels.local_sums import NUMPY_CHUNK
 from ..kernels.numba_generated import GeneratedKernel
 from ..kernels.numba_shared import jit
@@ -182,72 +182,32 @@ class NumbaAdam(GeneratedKernel):
                 f(s.eps), f(s.l2), f(s.decay), f(-s.step_size), f(s.bc2_sqrt))  # fmt: skip
 
 
-# -- the CuPy twin; ``grad`` and ``param`` are templated (G, P): float32, float16 or bfloat16 ----
-
-_CUDA_IN = (
-    "G grad, float32 grad_scale, float32 beta2, float32 one_minus_beta1, "
-    "float32 one_minus_beta2, float32 eps, float32 l2, float32 decay, "
-    "float32 step_size, float32 bc2_sqrt"
-)
-_CUDA_MATH = r"""
-    float g = (float)grad * grad_scale;                  // mean gradient, in fp32
-    g += l2 * p;                                         // Adam: L2 term (l2 = 0 for AdamW)
-    float m = exp_avg + one_minus_beta1 * (g - exp_avg);  // first moment: lerp(m, g, 1 - beta1)
-    float v = beta2 * exp_avg_sq + one_minus_beta2 * (g * g);  // second moment
-    p *= decay;                                          // AdamW: 1 - lr * wd (1 for Adam)
-    float denom = sqrtf(v) / bc2_sqrt + eps;             // bias-corrected sqrt(v), eps outside
-    p -= (m / denom) * step_size;                        // step_size = lr / (1 - beta1^t)
-    exp_avg = m;
-    exp_avg_sq = v;
-"""
-_CUDA_MIXED = (
-    "float p = master;"
-    + _CUDA_MATH
-    + "    master = p;\n    param = (P)p;                    // round to 16 bits\n"
-)
-_CUDA_FP32 = "float p = param;" + _CUDA_MATH + "    param = p;\n"
-_cuda_kernels: dict[str, object] = {}
+# -- the CuPy twin: the same math, one generated kernel per stored form (``cuda_generated``) -----
 
 
-def _cuda_kernel(kind: str):
-    """The (cached) ElementwiseKernel: ``mixed`` (fp32 master + 16-bit param) or ``fp32``."""
-    if kind not in _cuda_kernels:
-        cupy = backend.xp_for("cupy")
-        if kind == "mixed":
-            out, body = "float32 master, float32 exp_avg, float32 exp_avg_sq, P param", _CUDA_MIXED
-        else:
-            out, body = "float32 param, float32 exp_avg, float32 exp_avg_sq", _CUDA_FP32
-        _cuda_kernels[kind] = backend.ExplainedKernel(
-            cupy.ElementwiseKernel(_CUDA_IN, out, body, f"zero1_adam_{kind}")
-        )
-    return _cuda_kernels[kind]
-
-
-class CupyAdam:
+class CupyAdam(GeneratedCudaKernel):
     """One fused kernel launch per shard range, queued on the current stream."""
 
-    scratch_bytes = 0
+    base = "zero1_adam_{master}"
+    state_names = ("exp_avg", "exp_avg_sq")
+    scalar_params = (
+        "float32 grad_scale, float32 beta2, float32 one_minus_beta1, float32 one_minus_beta2, "
+        "float32 eps, float32 l2, float32 decay, float32 step_size, float32 bc2_sqrt"
+    )
+    element = r"""
+    float g = g_in * grad_scale;                         // mean gradient, in fp32
+    g += l2 * p;                                         // Adam: L2 term (l2 = 0 for AdamW)
+    exp_avg = exp_avg + one_minus_beta1 * (g - exp_avg);  // first moment: lerp(m, g, 1 - beta1)
+    exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * (g * g);  // second moment
+    p *= decay;                                          // AdamW: 1 - lr * wd (1 for Adam)
+    float denom = sqrtf(exp_avg_sq) / bc2_sqrt + eps;    // bias-corrected sqrt(v), eps outside
+    p -= (exp_avg / denom) * step_size;                  // step_size = lr / (1 - beta1^t)
+"""
 
-    def __call__(self, grad, master, exp_avg, exp_avg_sq, param, s: AdamScalars) -> None:
-        scalars = tuple(
-            np.float32(x)
-            for x in (
-                s.grad_scale,
-                s.beta2,
-                s.one_minus_beta1,
-                s.one_minus_beta2,
-                s.eps,
-                s.l2,
-                s.decay,
-                s.step_size,
-                s.bc2_sqrt,
-            )
-        )
-        args = (grad,) + scalars
-        if param is None:
-            _cuda_kernel("fp32")(*args, master, exp_avg, exp_avg_sq)
-        else:
-            _cuda_kernel("mixed")(*args, master, exp_avg, exp_avg_sq, param)
+    def scalars(self, s: AdamScalars) -> tuple:
+        f = np.float32
+        return (f(s.grad_scale), f(s.beta2), f(s.one_minus_beta1), f(s.one_minus_beta2),
+                f(s.eps), f(s.l2), f(s.decay), f(s.step_size), f(s.bc2_sqrt))  # fmt: skip
 
 
 # -- the optimizers ------------------------------------------------------------------------------

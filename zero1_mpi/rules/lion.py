@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels import backend
+from ..kernels.cuda_generated import GeneratedCudaKernel
 from ..kernels.local_sums import NUMPY_CHUNK
 from ..kernels.numba_generated import GeneratedKernel
 from ..kernels.numba_shared import jit
@@ -144,61 +144,31 @@ class NumbaLion(GeneratedKernel):
                 f(s.one_minus_beta2), f(s.decay), f(s.neg_lr))  # fmt: skip
 
 
-# -- the CuPy twin -------------------------------------------------------------------------------
+# -- the CuPy twin: the same math, one generated kernel per stored form (``cuda_generated``) -----
 
-_CUDA_IN = (
-    "G grad, float32 grad_scale, float32 beta1, float32 one_minus_beta1, "
-    "float32 beta2, float32 one_minus_beta2, float32 decay, float32 neg_lr"
-)
-_CUDA_MATH = r"""
-    float g = (float)grad * grad_scale;                  // mean gradient, in fp32
+
+class CupyLion(GeneratedCudaKernel):
+    """One fused kernel launch per shard range, queued on the current stream."""
+
+    base = "zero1_lion_{master}"
+    state_names = ("exp_avg",)
+    scalar_params = (
+        "float32 grad_scale, float32 beta1, float32 one_minus_beta1, float32 beta2, "
+        "float32 one_minus_beta2, float32 decay, float32 neg_lr"
+    )
+    element = r"""
+    float g = g_in * grad_scale;                         // mean gradient, in fp32
     float c = exp_avg * beta1 + g * one_minus_beta1;     // c = b1 m + (1 - b1) g
     float sign_c = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c);  // sign (0 and nan kept)
     p *= decay;                                          // p *= 1 - lr wd
     p += sign_c * neg_lr;                                // p -= lr sign(c)
     exp_avg = exp_avg * beta2 + g * one_minus_beta2;     // m = b2 m + (1 - b2) g
 """
-_cuda_kernels: dict[bool, object] = {}
 
-
-def _cuda_kernel(mixed: bool):
-    if mixed not in _cuda_kernels:
-        if mixed:
-            out = "float32 master, float32 exp_avg, P param"
-            body = "float p = master;" + _CUDA_MATH + "    master = p;\n    param = (P)p;\n"
-        else:
-            out, body = (
-                "float32 param, float32 exp_avg",
-                "float p = param;" + _CUDA_MATH + "    param = p;\n",
-            )
-        name = f"zero1_lion_{'mixed' if mixed else 'fp32'}"
-        _cuda_kernels[mixed] = backend.ExplainedKernel(
-            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name)
-        )
-    return _cuda_kernels[mixed]
-
-
-class CupyLion:
-    """One fused kernel launch per shard range, queued on the current stream."""
-
-    scratch_bytes = 0
-
-    def __call__(self, grad, master, exp_avg, param, s: LionScalars) -> None:
+    def scalars(self, s: LionScalars) -> tuple:
         f = np.float32
-        args = (
-            grad,
-            f(s.grad_scale),
-            f(s.beta1),
-            f(s.one_minus_beta1),
-            f(s.beta2),
-            f(s.one_minus_beta2),
-            f(s.decay),
-            f(s.neg_lr),
-        )
-        if param is None:
-            _cuda_kernel(False)(*args, master, exp_avg)
-        else:
-            _cuda_kernel(True)(*args, master, exp_avg, param)
+        return (f(s.grad_scale), f(s.beta1), f(s.one_minus_beta1), f(s.beta2),
+                f(s.one_minus_beta2), f(s.decay), f(s.neg_lr))  # fmt: skip
 
 
 # -- the optimizer -------------------------------------------------------------------------------

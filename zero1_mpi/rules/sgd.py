@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine import ShardedOptimizer, with_engine_options
-from ..kernels import backend
+from ..kernels.cuda_generated import GeneratedCudaKernel
 from ..kernels.local_sums import NUMPY_CHUNK
 from ..kernels.numba_forms import NO_STATE, master_form, state_form
 from ..kernels.numba_generated import GeneratedKernel
@@ -209,13 +209,11 @@ class NumbaSGD(GeneratedKernel):
                 bool(s.nesterov), bool(s.first), f(s.neg_lr))  # fmt: skip
 
 
-# -- the CuPy twin; ``first`` and ``nesterov`` are 0/1 flags; momentum 0 leaves the buffer alone -
-_CUDA_IN = (
-    "G grad, float32 grad_scale, float32 weight_decay, float32 momentum, "
-    "float32 one_minus_dampening, int32 nesterov, int32 first, float32 neg_lr"
-)
+# -- the CuPy twin: the same math, one generated kernel per stored form (``cuda_generated``);
+# ``first`` and ``nesterov`` are 0/1 flags; momentum 0 leaves the buffer alone ------------------
+
 _CUDA_MATH = r"""
-    float g = (float)grad * grad_scale;                  // mean gradient, in fp32
+    float g = g_in * grad_scale;                         // mean gradient, in fp32
     g += p * weight_decay;                               // L2 weight decay
     MOMENTUM
     p += g * neg_lr;                                     // p -= lr g
@@ -225,53 +223,26 @@ _CUDA_MOMENTUM = r"""if (momentum != 0.0f) {
         momentum_buffer = b;                             // b = g first, m b + (1 - d) g after
         g = nesterov ? g + b * momentum : b;             // Nesterov: g + m b
     }"""
-_cuda_kernels: dict[tuple, object] = {}
 
 
-def _cuda_kernel(mixed: bool, has_buffer: bool):
-    key = (mixed, has_buffer)
-    if key not in _cuda_kernels:
-        math_ = _CUDA_MATH.replace("MOMENTUM", _CUDA_MOMENTUM if has_buffer else "")
-        buffer = ", float32 momentum_buffer" if has_buffer else ""
-        if mixed:
-            out = f"float32 master{buffer}, P param"
-            body = "float p = master;" + math_ + "    master = p;\n    param = (P)p;\n"
-        else:
-            out = f"float32 param{buffer}"
-            body = "float p = param;" + math_ + "    param = p;\n"
-        name = f"zero1_sgd_{'mixed' if mixed else 'fp32'}{'_momentum' if has_buffer else ''}"
-        _cuda_kernels[key] = backend.ExplainedKernel(
-            backend.xp_for("cupy").ElementwiseKernel(_CUDA_IN, out, body, name)
-        )
-    return _cuda_kernels[key]
-
-
-class CupySGD:
+class CupySGD(GeneratedCudaKernel):
     """One fused kernel launch per shard range, queued on the current stream."""
 
-    scratch_bytes = 0
+    scalar_params = (
+        "float32 grad_scale, float32 weight_decay, float32 momentum, "
+        "float32 one_minus_dampening, int32 nesterov, int32 first, float32 neg_lr"
+    )
 
     def __init__(self, has_buffer: bool):
         self.has_buffer = has_buffer
+        self.base = "zero1_sgd_{master}" + ("_momentum" if has_buffer else "")
+        self.state_names = ("momentum_buffer",) if has_buffer else ()
+        self.element = _CUDA_MATH.replace("MOMENTUM", _CUDA_MOMENTUM if has_buffer else "")
 
-    def __call__(self, grad, master, *rest) -> None:
-        buf, param, s = split_args(self.has_buffer, rest)
+    def scalars(self, s: SGDScalars) -> tuple:
         f = np.float32
-        args = (
-            grad,
-            f(s.grad_scale),
-            f(s.weight_decay),
-            f(s.momentum),
-            f(s.one_minus_dampening),
-            np.int32(s.nesterov),
-            np.int32(s.first),
-            f(s.neg_lr),
-        )
-        buffers = (buf,) if self.has_buffer else ()
-        if param is None:
-            _cuda_kernel(False, self.has_buffer)(*args, master, *buffers)
-        else:
-            _cuda_kernel(True, self.has_buffer)(*args, master, *buffers, param)
+        return (f(s.grad_scale), f(s.weight_decay), f(s.momentum), f(s.one_minus_dampening),
+                np.int32(s.nesterov), np.int32(s.first), f(s.neg_lr))  # fmt: skip
 
 
 # -- the optimizer -------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ class Fp32State:
         """Nothing: the kernel wrote ``load``'s view."""
 
     def form(self, st: slice, flat: int, step: int) -> tuple:
-        """The array over ``st`` for a Numba twin's one pass (``numba_forms``)."""
+        """The array over ``st`` for a Numba or CuPy twin's one pass (``numba_forms``)."""
         return numba_forms.state_form(fp32=self.held[st])
 
     def read(self, st: slice):
@@ -77,8 +77,8 @@ class Bf16State:
         n: elements of the shard; ``largest``: the most one kernel call (or calls used
             together) takes: the decoded values' scratch; ``xp``; ``kind``: the twin
             (``"numpy"``, ``"numba"``, ``"cupy"``); ``array``: the array's place in the rule's
-            ``state_names`` (its stream of random bits); ``fused``: a Numba twin takes the
-            bits as they are (``form``) and widens and rounds each element in its one pass.
+            ``state_names`` (its stream of random bits); ``fused``: a Numba or CuPy twin takes
+            the bits as they are (``form``) and widens and rounds each element in its one pass.
     """
 
     dtype = "bfloat16"
@@ -132,7 +132,7 @@ class Bf16State:
             _cuda_kernel("round")(values.view(np.uint32), np.uint32(seed), out)
 
     def form(self, st: slice, flat: int, step: int) -> tuple:
-        """The bits over ``st`` (first element: flat index ``flat``) for a Numba twin's one
+        """The bits over ``st`` (first element: flat index ``flat``) for a Numba or CuPy twin's one
         pass at ``step`` (``numba_forms``), which widens and rounds each element."""
         return numba_forms.state_form(bits=self.held[st], seed=self._seed(flat, step))
 
@@ -173,7 +173,7 @@ def state_for(
     ``array``: its place in the rule's state; ``whole``: a kernel call may need a whole
     bucket's shard decoded at once (a two-phase rule), else a cache-sized chunk on the host;
     ``segments``: the 8-bit state's (``Int8State``); ``fused``: the kernel takes its ``form``
-    (a Numba twin's one pass)."""
+    (a Numba or CuPy twin's one pass)."""
     if dtype == "float32":
         return Fp32State(xp.zeros(n, FP32))
     kept = Bf16State if dtype == "bfloat16" else Int8State
@@ -183,7 +183,7 @@ def state_for(
     return Int8State(n, segments, chunk, xp, compute, fused)
 
 
-#: The state encodings a Numba twin's one pass reads and writes as they are (``form``).
+#: The state encodings a Numba or CuPy twin's one pass reads and writes as they are (``form``).
 FUSED_STATE_DTYPES = ("float32", "bfloat16", "int8")
 
 

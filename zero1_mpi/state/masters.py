@@ -13,9 +13,12 @@ kernel, decoded into scratch at ``at``), ``store(st, values, param)`` after it, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..kernels import backend, numba_forms
+from ..kernels.cuda_generated import TieFlags
 from ..kernels.numba_forms import TIE, decode_remainders, encode_remainders, tie_positions
 from ..kernels.numba_shared import compile_marked
 from .host import keeps_host_share
@@ -53,7 +56,7 @@ class Fp32Masters:
         """Nothing: the kernel updated ``load``'s view in place."""
 
     def form(self, st: slice) -> tuple:
-        """The masters over ``st`` for a Numba twin's one pass (``numba_forms``)."""
+        """The masters over ``st`` for a Numba or CuPy twin's one pass (``numba_forms``)."""
         return numba_forms.master_form(fp32=self.array[st])
 
     def record_ties(self, st: slice, ties) -> None:
@@ -79,8 +82,8 @@ class RemainderMasters:
     Args:
         n: elements of the shard; ``largest``: ``chunk``, the most elements one kernel call
             (or calls used together) takes: the decoded masters' scratch; ``xp``; ``kind``:
-            ``"numpy"``, ``"numba"`` or ``"cupy"``; ``fused``: a Numba twin takes the
-            remainders as they are (``form``) and decodes each element in its one pass.
+            ``"numpy"``, ``"numba"`` or ``"cupy"``; ``fused``: a Numba or CuPy twin takes
+            the remainders as they are (``form``) and decodes each element in its one pass.
     """
 
     kind = "remainder"
@@ -93,13 +96,18 @@ class RemainderMasters:
         self.remainder = self.held = xp.zeros(n, np.int16)
         #: Sorted positions (in the shard) of the masters half a bf16 step above an even param.
         self.ties = np.zeros(0, np.int64)
-        # ``load``'s scratch, or with ``fused`` (a Numba pass decodes each element in its
-        # registers) a chunk of flags for the new ties, and one kernel call per range.
+        # ``load``'s scratch, or with ``fused`` (a Numba or CuPy pass decodes each element in its
+        # registers) none, and one kernel call per range. The new ties: on the device a bit
+        # per element (``TieFlags``), for a Numba pass a chunk of flags.
         self._decoded = xp.empty(0 if fused else largest, FP32)
-        self._flags = numba_forms.flags() if fused else np.empty(0, np.bool_)
+        self._flags: Any = np.empty(0, np.bool_)
+        if kind == "cupy":
+            self._flags = TieFlags(xp, largest)
+        elif fused:
+            self._flags = numba_forms.flags()
         self.chunk = 1 << 62 if fused else largest
         if kind == "cupy":
-            self._tied = xp.empty(largest, np.bool_)
+            self._tied = np.empty(0, np.int32)
         elif kind == "numpy":
             self._tied = np.empty(min(largest, NUMPY_CHUNK), np.int32)  # the int32 remainders
         else:
@@ -143,9 +151,9 @@ class RemainderMasters:
         self.record_ties(st, ties)
 
     def form(self, st: slice) -> tuple:
-        """The remainders over ``st`` (and their ties) for a Numba twin's one pass, which
+        """The remainders over ``st`` (and their ties) for a Numba or CuPy twin's one pass, which
         decodes and encodes each element (``numba_forms``); ``record_ties`` after."""
-        if self._flags.size == 0:  # (made without ``fused``)
+        if self._flags.nbytes == 0:  # (made without ``fused``)
             self._flags = numba_forms.flags()
         lo, hi = np.searchsorted(self.ties, (st.start, st.stop))
         ties = self.ties[lo:hi] - st.start if lo < hi else _NO_TIES
@@ -200,9 +208,12 @@ class RemainderMasters:
         return np.concatenate(ties) if ties else np.zeros(0, np.int64)
 
     def _encode_cupy(self, values, param, rem) -> np.ndarray:
-        tied = self._tied[: values.size]
-        _cuda_kernel("encode")(values.view(np.int32), param.view(np.uint16), rem, tied)
-        return self._xp.flatnonzero(tied).get().astype(np.int64)  # a few, usually none
+        if 32 * self._flags.mask.size < values.size:  # (a write wider than a kernel call)
+            self._flags = TieFlags(self._xp, values.size)
+        flags = self._flags
+        _cuda_kernel("encode")(values.view(np.int32), param.view(np.uint16), rem, flags.mask,
+                               flags.count)  # fmt: skip
+        return flags.taken()  # a few, usually none
 
 
 def masters_for(
@@ -212,7 +223,7 @@ def masters_for(
     ``compute``: the kernel family (``"numpy"``, ``"numba"``, ``"cupy"``); ``whole``: a kernel
     call may need a whole bucket's shard decoded at once (a two-phase rule's sums), else
     ``RemainderMasters.CHUNK`` elements on the host; ``fused``: the kernel takes their
-    ``form`` (a Numba twin's one pass)."""
+    ``form`` (a Numba or CuPy twin's one pass)."""
     if kind == "remainder":
         chunk = largest if whole or compute == "cupy" else min(largest, RemainderMasters.CHUNK)
         return RemainderMasters(n, chunk, xp, compute, fused)
@@ -227,11 +238,12 @@ _CUDA: dict[str, tuple[str, str, str]] = {
         "int32 master",
         "master = (int)(((unsigned int)param << 16) + (unsigned int)(int)rem);",
     ),
-    "encode": (
+    "encode": (  # (a new tie: its bit set in the range's mask, ``TieFlags``)
         "int32 master, uint16 param",
-        "int16 rem, bool tied",
-        "int r = (int)((unsigned int)master - ((unsigned int)param << 16));"
-        " rem = (short)r; tied = r == 0x8000;",
+        "int16 rem, raw uint32 tie_mask, raw int32 tie_count",
+        "int r = (int)((unsigned int)master - ((unsigned int)param << 16)); rem = (short)r;"
+        " if (r == 0x8000) { atomicOr(&tie_mask[i >> 5], 1u << (i & 31));"
+        " atomicAdd(&tie_count[0], 1); }",
     ),
 }
 

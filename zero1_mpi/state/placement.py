@@ -88,8 +88,9 @@ class ShardSpec:
 
 class WithParams:
     """The shard beside the parameters: each bucket's shard whole, one kernel. Where the
-    kernel is a Numba twin that takes the stored forms (``fused``: fp32 or remainder masters,
-    fp32 or bf16 state), ``update_fused`` runs it over them as they are, in one pass."""
+    kernel is a Numba or CuPy twin that takes the stored forms (``fused``: fp32 or remainder
+    masters, fp32, bf16 or 8-bit state; an elementwise rule), ``update_fused`` runs it over them
+    as they are, in one pass."""
 
     on_host = False
 
@@ -103,7 +104,7 @@ class WithParams:
         self.kernel = spec.rule.kernel(kind, largest)
         #: Whether the kernel reads and writes the stored forms itself (``numba_forms``).
         self.fused = fused = (
-            kind == "numba"
+            kind in ("numba", "cupy")
             and not whole
             and spec.state_dtype in FUSED_STATE_DTYPES
             and callable(getattr(self.kernel, "fused", None))
