@@ -274,8 +274,30 @@ BUGS = [
         "finer codes are lost for the second moment)",
         ["tests/test_state_dtypes.py::test_8bit_state_equals_its_float64_model[numpy]"],
         ("zero1_mpi/state/int8_blocks.py",
-         "        unsigned = np.minimum.reduceat(values, starts) >= 0\n",
-         "        unsigned = np.minimum.reduceat(values, starts) > np.inf\n")),
+         "    signed = (bits > np.uint32(0x80000000)).any(axis=1)\n",
+         "    signed = (bits >= np.uint32(0)).any(axis=1)\n")),
+    bug("generated-cuda-old-ties", "generated CuPy pass: a remainder of -TIE is decoded half a "
+        "step below its parameter even where the range's ties list it (above)",
+        ["tests/test_cuda_generated.py::test_the_generated_cuda_pass_is_the_numpy_twin_bit_for_bit"
+         "[bfloat16-remainder-float32]"],
+        ("zero1_mpi/kernels/cuda_generated.py", "ties[z_lo] == {at}) z_bits += 0x10000u;",
+         "ties[z_lo] == {at}) z_bits += 0u;")),
+    bug("generated-cuda-new-ties-lost", "generated CuPy pass: a new tie is flagged but not "
+        "counted, so it is never read back",
+        ["tests/test_cuda_generated.py::test_the_generated_cuda_pass_is_the_numpy_twin_bit_for_bit"
+         "[bfloat16-remainder-bfloat16]"],
+        ("zero1_mpi/kernels/cuda_generated.py", "        atomicAdd(&tie_count[0], 1);\n", "")),
+    bug("generated-cuda-int8-sign", "generated CuPy pass: an 8-bit block with a negative value "
+        "keeps a positive scale (decoded with the unsigned map)",
+        ["tests/test_cuda_generated.py::test_the_generated_cuda_pass_is_the_numpy_twin_bit_for_bit"
+         "[bfloat16-fp32-int8]"],
+        ("zero1_mpi/kernels/cuda_generated.py", "(up{i} ? amax{i} : -amax{i})", "(amax{i})")),
+    bug("generated-cuda-sr-same-bits", "generated CuPy pass: bf16 state rounds every element "
+        "with the range's first element's bits",
+        ["tests/test_cuda_generated.py::test_the_generated_cuda_pass_is_the_numpy_twin_bit_for_bit"
+         "[float32-fp32-bfloat16]"],
+        ("zero1_mpi/kernels/cuda_generated.py", "(unsigned int)({at}) * 0x9E3779B1u",
+         "(unsigned int)(0) * 0x9E3779B1u")),
     bug("int8-numba-scale-sign", "8-bit state (Numba): the signed map's blocks keep a positive "
         "scale, so they decode with the unsigned map",
         ["tests/test_state_dtypes.py::test_8bit_state_twins_agree"],

@@ -107,7 +107,7 @@ class Int8State:
         self._quantized, self._offsets = quantized, offsets
         self.scales = xp.zeros(blocks, FP32)  # 0: a zero block (the state starts at 0)
         self.side = xp.zeros(side, FP32)
-        # ``load``'s scratch; with ``fused`` (a Numba pass decodes and encodes each block in
+        # ``load``'s scratch; with ``fused`` (a Numba or CuPy pass decodes and encodes each block in
         # its one pass: ``form``) none, and a kernel call takes a whole tensor piece
         self._decoded = xp.empty(0 if fused else largest, FP32)
         self._largest = largest
@@ -132,8 +132,8 @@ class Int8State:
         return owned + self.scales.nbytes + self.side.nbytes
 
     def form(self, st: slice, flat: int, step: int) -> tuple:
-        """The state over ``st`` for a Numba twin's one pass (``numba_forms``): the codes and
-        the scales of its blocks, or a small tensor's fp32 values."""
+        """The state over ``st`` for a Numba or CuPy twin's one pass (``numba_forms``): the
+        codes and the scales of its blocks, or a small tensor's fp32 values."""
         i, first = self._blocks_of(st)
         if not self._quantized[i]:
             return numba_forms.state_form(fp32=self.side[first : first + st.stop - st.start])
@@ -228,9 +228,14 @@ class Int8State:
             _cuda_kernel8("decode")(codes, scales, self._codes[False], self._codes[True],
                                     STATE_BLOCK, out)  # fmt: skip
         else:
-            scale = np.repeat(scales[: _blocks(n)], STATE_BLOCK)[:n]
-            values = np.where(np.signbit(scale), CODES[True][codes], CODES[False][codes])
-            np.multiply(values, np.abs(scale), out=out)
+            for lo, hi in _whole_blocks_then_tail(n):  # (each block a row)
+                c = codes[lo:hi].reshape(-1, min(STATE_BLOCK, hi - lo))
+                scale = scales[lo // STATE_BLOCK : lo // STATE_BLOCK + c.shape[0], None]
+                index = c.astype(np.intp)
+                index += np.signbit(scale).astype(np.intp) << 8  # the signed map's half
+                values = out[lo:hi].reshape(c.shape)
+                np.take(_BOTH_MAPS, index, out=values)
+                values *= np.abs(scale)
 
     def _encode(self, values, codes, scales) -> None:
         n = values.size
@@ -244,30 +249,49 @@ class Int8State:
             _cuda_kernel8("quantize")(values, scales, self._bounds[False], self._bounds[True],
                                       STATE_BLOCK, codes)  # fmt: skip
             return
-        starts = np.arange(0, n, STATE_BLOCK)
-        absmax = np.maximum.reduceat(np.abs(values), starts)
-        unsigned = np.minimum.reduceat(values, starts) >= 0
-        bad = ~np.isfinite(absmax)
-        scales[...] = np.where(bad, np.nan, np.where(unsigned, absmax, -absmax))
-        scale = np.repeat(absmax, STATE_BLOCK)[:n]
-        x = np.zeros(n, FP32)
-        with np.errstate(invalid="ignore"):  # a bad block's inf / inf
-            np.divide(values, scale, out=x, where=scale != 0)
-        np.copyto(x, 0, where=~np.isfinite(x))  # (a bad block's: its codes are 0)
-        up = np.repeat(unsigned, STATE_BLOCK)[:n]
-        top = x.view(np.uint32) >> np.uint32(16)
-        code = np.where(up, FIRST_CODES[False][top], FIRST_CODES[True][top]).astype(np.int32)
-        while True:  # the scan: a bound or two between the first code and x, at most
-            below = np.where(up, PAST[False][code], PAST[True][code]) < x
-            if not below.any():
-                break
-            code += below
-        codes[...] = code
-        codes[np.repeat(bad, STATE_BLOCK)[:n]] = 0
+        for lo, hi in _whole_blocks_then_tail(n):  # (each block a row)
+            v = values[lo:hi].reshape(-1, min(STATE_BLOCK, hi - lo))
+            first = lo // STATE_BLOCK
+            _numpy_encode(v, codes[lo:hi].reshape(v.shape), scales[first : first + v.shape[0]])
 
 
 def _blocks(n: int) -> int:
     return -(-n // STATE_BLOCK)
+
+
+def _whole_blocks_then_tail(n: int):
+    """``(lo, hi)``: the whole blocks of ``n`` values, then the partial last block."""
+    whole = n // STATE_BLOCK * STATE_BLOCK
+    if whole:
+        yield 0, whole
+    if whole < n:
+        yield whole, n
+
+
+#: The NumPy twin's tables, the signed half after the unsigned one: the maps, the first codes
+#: (by top half of a value) and the bounds with inf appended (``PAST``).
+_BOTH_MAPS = np.concatenate((CODES[False], CODES[True]))
+_BOTH_FIRST = np.concatenate((FIRST_CODES[False], FIRST_CODES[True])).astype(np.int16)
+_BOTH_PAST = np.concatenate((PAST[False], PAST[True]))
+
+
+def _numpy_encode(v, codes, scales) -> None:
+    """``v`` (a block per row) encoded into ``codes`` and ``scales``, on the bits as
+    ``numba_encode8``: each value's first code, and one step."""
+    bits = v.view(np.uint32)
+    top = np.bitwise_and(bits, np.uint32(0x7FFFFFFF)).max(axis=1)
+    signed = (bits > np.uint32(0x80000000)).any(axis=1)
+    bad = top >= np.uint32(0x7F800000)
+    amax = top.view(np.float32)
+    scales[...] = np.where(bad, np.float32(np.nan), np.where(signed, -amax, amax))
+    with np.errstate(invalid="ignore", divide="ignore"):  # (a bad or zero block's: code 0)
+        x = v / amax[:, None]
+    index = (x.view(np.uint32) >> np.uint32(16)).astype(np.intp)
+    index += signed.astype(np.intp)[:, None] << 16
+    code = _BOTH_FIRST[index]
+    code += _BOTH_PAST[code + (signed.astype(np.int16)[:, None] << 8)] < x
+    code[bad | (top == 0)] = 0
+    codes[...] = code
 
 
 def exact_codes(values, codes, scales):
