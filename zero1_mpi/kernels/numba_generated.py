@@ -10,6 +10,7 @@ ones are flagged in a chunk of ``flags`` and collected in the chunks that have s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -32,7 +33,7 @@ from .numba_forms import (
 )
 from .numba_shared import BF16, FP16, FP16_TABLE, FP32, encoding
 
-__all__ = ["GeneratedKernel", "fused_kernel", "source", "cache_dir"]
+__all__ = ["GeneratedKernel", "fused_kernel", "source", "cache_dir", "widest_vectors"]
 
 _GRAD = {FP32: "grad[i]", BF16: "widen_bf16(grad[i])", FP16: "table[grad[i]]"}
 _PARAM = {BF16: "rne_bf16(p)", FP16: "round_f16(p)"}
@@ -255,9 +256,13 @@ def cache_dir() -> Path:
 
 
 _kernels: dict[tuple, object] = {}
-#: The modules whose code a generated pass inlines, besides the rule's.
+#: The modules whose code a generated pass inlines, besides the rule's, and this one (how it
+#: is compiled: ``widest_vectors``).
 _INLINED = (
-    *(f"{__package__}.{name}" for name in ("numba_scalars", "numba_forms", "numba_shared")),
+    *(
+        f"{__package__}.{name}"
+        for name in ("numba_scalars", "numba_forms", "numba_shared", "numba_generated")
+    ),
     "zero1_mpi.state.int8_blocks",
 )
 
@@ -296,6 +301,24 @@ def fused_kernel(element, grad_kind: int, param_kind: int, master_kind: int, sta
 _NO_U16, _NO_FOUND = np.empty(0, np.uint16), np.empty(0, np.int64)
 
 
+@contextlib.contextmanager
+def widest_vectors():
+    """While a generated pass compiles (or loads from Numba's cache): LLVM's loop vectorizer
+    may take as many lanes as the narrowest type of a loop gives (its
+    ``-vectorizer-maximize-bandwidth``). A pass's loop reads 16-bit values beside fp32 ones;
+    without it, fp32 masters with bf16 state got 8 lanes where 16 fit, and took 1.6x as long.
+    Set under Numba's compiler lock and cleared after, so no other compilation sees it."""
+    import llvmlite.binding as llvm
+    from numba.core.compiler_lock import global_compiler_lock
+
+    with global_compiler_lock:
+        llvm.set_option("", "-vectorizer-maximize-bandwidth")
+        try:
+            yield
+        finally:
+            llvm.set_option("", "-vectorizer-maximize-bandwidth=false")
+
+
 class GeneratedKernel:
     """Base of a rule's Numba twin: ``element`` (a ``staticmethod`` of the rule's marked
     ``(g, p, *state, scalars) -> (p, *state)``) and ``scalars`` (the host scalars as the tuple
@@ -325,7 +348,14 @@ class GeneratedKernel:
         kind, fp32, rem, ties, flagged = master
         kernel = fused_kernel(type(self).element, grad_kind, param_kind, kind,
                               tuple(form[0] for form in states))  # fmt: skip
-        found, count = kernel(
+        compiling = widest_vectors() if not kernel.signatures else contextlib.nullcontext()
+        with compiling:
+            found, count = self._run(kernel, grad, grad_kind, fp32, rem, ties, param, states,
+                                     flagged, s)  # fmt: skip
+        return found[:count]
+
+    def _run(self, kernel, grad, grad_kind, fp32, rem, ties, param, states, flagged, s):
+        return kernel(
             grad if grad_kind == FP32 else grad.view(np.uint16),
             fp32,
             rem,
@@ -340,4 +370,3 @@ class GeneratedKernel:
             _NO_FOUND,
             grad.size,
         )
-        return found[:count]
