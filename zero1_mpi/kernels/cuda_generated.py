@@ -225,6 +225,7 @@ class TieFlags:
 
 
 _TABLES: dict[int, tuple] = {}
+_NO_TIES: dict[int, Any] = {}  # an empty array of ties on each array module's device
 
 
 def _tables(xp) -> tuple:
@@ -235,6 +236,15 @@ def _tables(xp) -> tuple:
             xp.asarray(t) for t in (CODES[False], CODES[True], BOUNDS[False], BOUNDS[True])
         )
     return _TABLES[key]
+
+
+def _ties_on(xp, ties):
+    """The host positions ``ties`` on ``xp``'s device; none (usually) an empty array kept."""
+    if ties.size or xp is np or backend.is_device_array(ties):
+        return ties if xp is np or backend.is_device_array(ties) else xp.asarray(ties)
+    if id(xp) not in _NO_TIES:
+        _NO_TIES[id(xp)] = xp.zeros(0, np.int64)
+    return _NO_TIES[id(xp)]
 
 
 class GeneratedCudaKernel:
@@ -277,17 +287,14 @@ class GeneratedCudaKernel:
         else:
             masters = "fp32" if param is None else "mixed"
         state_kinds = tuple(form[0] for form in states)
-        name, ins, outs, operation = source(
-            self.base, self.element, self.scalar_params, self.state_names, masters, state_kinds
-        )
-        kernel = backend.elementwise_kernel(name, ins, outs, operation)
+        kernel = self._kernel(masters, state_kinds)
         xp = backend.xp_of(grad)
         int8 = INT8_FORM in state_kinds
         args: list[Any] = [grad, *self.scalars(s)]
         if int8:
             args.append(np.int64(grad.size))
         if kind == REMAINDER_FORM:
-            args += [np.int64(ties.size), backend.like(grad, ties)]
+            args += [np.int64(ties.size), _ties_on(xp, ties)]
         for form in states:
             if form[0] == BF16_FORM:
                 args.append(np.uint32(form[2]))
@@ -305,3 +312,12 @@ class GeneratedCudaKernel:
             elif form[0] == INT8_FORM:
                 args += [form[1], form[3][: -(-grad.size // STATE_BLOCK)]]
         kernel(*args)
+
+    def _kernel(self, masters: str, state_kinds: tuple):
+        """The kernel of one combination, its source generated at its first use."""
+        kernels = self.__dict__.setdefault("_kernels", {})
+        if (masters, state_kinds) not in kernels:
+            generated = source(self.base, self.element, self.scalar_params, self.state_names,
+                               masters, state_kinds)  # fmt: skip
+            kernels[masters, state_kinds] = backend.elementwise_kernel(*generated)
+        return kernels[masters, state_kinds]
