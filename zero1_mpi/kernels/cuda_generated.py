@@ -240,8 +240,10 @@ def _tables(xp) -> tuple:
 
 def _ties_on(xp, ties):
     """The host positions ``ties`` on ``xp``'s device; none (usually) an empty array kept."""
-    if ties.size or xp is np or backend.is_device_array(ties):
-        return ties if xp is np or backend.is_device_array(ties) else xp.asarray(ties)
+    if xp is np or backend.is_device_array(ties):
+        return ties
+    if ties.size:
+        return xp.asarray(ties)
     if id(xp) not in _NO_TIES:
         _NO_TIES[id(xp)] = xp.zeros(0, np.int64)
     return _NO_TIES[id(xp)]
