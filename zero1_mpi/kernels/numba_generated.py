@@ -348,25 +348,20 @@ class GeneratedKernel:
         kind, fp32, rem, ties, flagged = master
         kernel = fused_kernel(type(self).element, grad_kind, param_kind, kind,
                               tuple(form[0] for form in states))  # fmt: skip
-        compiling = widest_vectors() if not kernel.signatures else contextlib.nullcontext()
-        with compiling:
-            found, count = self._run(kernel, grad, grad_kind, fp32, rem, ties, param, states,
-                                     flagged, s)  # fmt: skip
+        with widest_vectors() if not kernel.signatures else contextlib.nullcontext():
+            found, count = kernel(
+                grad if grad_kind == FP32 else grad.view(np.uint16),
+                fp32,
+                rem,
+                ties,
+                _NO_U16 if param is None else param.view(np.uint16),
+                *(form[1] for form in states),
+                *(form[2] for form in states),
+                *(form[3] for form in states),
+                FP16_TABLE,
+                self.scalars(s),
+                flagged,
+                _NO_FOUND,
+                grad.size,
+            )
         return found[:count]
-
-    def _run(self, kernel, grad, grad_kind, fp32, rem, ties, param, states, flagged, s):
-        return kernel(
-            grad if grad_kind == FP32 else grad.view(np.uint16),
-            fp32,
-            rem,
-            ties,
-            _NO_U16 if param is None else param.view(np.uint16),
-            *(form[1] for form in states),
-            *(form[2] for form in states),
-            *(form[3] for form in states),
-            FP16_TABLE,
-            self.scalars(s),
-            flagged,
-            _NO_FOUND,
-            grad.size,
-        )
