@@ -5,6 +5,11 @@ example's numerics that the multi-rank cases already check under every MPI, or a
 (moment, phase) whose MPI calls a sibling parametrization makes (``mpirun.SIBLING``). CI runs
 the suite once per MPI and these in its first pass only: ``ZERO1_SKIP_MPI_INDEPENDENT=1``
 skips them.
+
+Where ``ZERO1_FRAMEWORK_SKIPS=FILE`` is set, the session writes to FILE (one node id a line)
+every test and test module it skipped for a missing framework (torch, JAX, flax, optax,
+transformers, accelerate, Sphinx), and ``FRAMEWORK_BRANCHES``: CI runs the README's test command
+without them first, as a new user would, then these again with the frameworks installed.
 """
 
 import os
@@ -52,6 +57,35 @@ def warm_numba_cache():
     starts with a cold cache). In a process of its own: where Numba is missing or fails, the
     cases run as they would have anyway."""
     subprocess.run([sys.executable, "-c", WARM_UP], cwd=ROOT, capture_output=True, timeout=300)
+
+
+#: The packages whose absence a test may skip for (matched in the skip's reason).
+FRAMEWORKS = ("torch", "jax", "flax", "optax", "transformers", "accelerate", "sphinx", "myst")
+#: Tests that run without the frameworks but take another branch with them.
+FRAMEWORK_BRANCHES = ["tests/test_bench_tool.py::test_kernels_against_their_reference"]
+_FRAMEWORK_SKIPS: list[str] = []
+
+
+def _note_framework_skip(report) -> None:
+    reason = str(report.longrepr).lower()
+    if report.skipped and any(name in reason for name in FRAMEWORKS):
+        _FRAMEWORK_SKIPS.append(report.nodeid)
+
+
+def pytest_collectreport(report):
+    _note_framework_skip(report)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "setup" or report.when == "call":
+        _note_framework_skip(report)
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("ZERO1_FRAMEWORK_SKIPS")
+    if path:
+        ids = dict.fromkeys(_FRAMEWORK_SKIPS + FRAMEWORK_BRANCHES)
+        Path(path).write_text("".join(f"{nodeid}\n" for nodeid in ids))
 
 
 def pytest_configure(config):

@@ -32,12 +32,21 @@ def test_import_starts_no_mpi():
 
 def test_without_an_mpi_library_what_needs_none_works():
     code = """
-import pkgutil, sys, zero1_mpi
+import importlib.util, pkgutil, sys, zero1_mpi
 from zero1_mpi.cli.memory import main
+# modules that need torch: imported last, and only where it is installed (the two public
+# bindings not at all: they start MPI); every other module imports neither torch nor
+# transformers (JAX's take JAX where it is installed, and import without it)
+needs = {"zero1_mpi.torch": None, "zero1_mpi.transformers": None, "zero1_mpi.memory.__main__": None,
+         "zero1_mpi.bindings.torch_binding": "torch", "zero1_mpi.bindings.torch_compat": "torch"}
 for module in pkgutil.walk_packages(zero1_mpi.__path__, "zero1_mpi."):
-    if module.name not in ("zero1_mpi.torch", "zero1_mpi.transformers",
-                           "zero1_mpi.memory.__main__"):  # the bindings need their framework
+    if module.name not in needs:
         __import__(module.name)
+frameworks = {"torch", "transformers"} & set(sys.modules)
+assert not frameworks, f"a module outside the bindings imported {frameworks}"
+for name, framework in needs.items():
+    if framework and importlib.util.find_spec(framework):
+        __import__(name)
 assert main(["--params", "7B", "--ranks", "8"]) == 0
 import runpy
 runpy.run_path("docs/conf.py")
