@@ -25,7 +25,8 @@ import numpy as np
 from zero1_mpi.kernels.backend import PARAM_DTYPES
 from zero1_mpi.kernels.local_sums import NumbaReductions
 from zero1_mpi.rules.registry import builtin_rules
-from zero1_mpi.wire import NumbaCodec, packed_bytes
+from zero1_mpi.wire.codec import NumbaCodec
+from zero1_mpi.wire.sizes import packed_bytes
 reductions, codec = NumbaReductions(), NumbaCodec(64)
 for dtype in PARAM_DTYPES.values():
     for entry in builtin_rules().values():

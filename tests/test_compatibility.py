@@ -4,8 +4,10 @@ wrote (tests/data/checkpoint-0.1.0, tests/cases/kept_checkpoint.py) loading bit 
 
 import importlib
 import importlib.metadata
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,127 @@ def test_a_checkpoint_of_0_1_0_loads_bit_for_bit(n, tmp_path):
     the next step bitwise 0.1.0's; on 1 and 3, the parameters, masters and fp32 tensors."""
     out = run_mpi(n, "kept_checkpoint.py", "check", str(KEPT), str(tmp_path), timeout=180).stdout
     assert f"OK the kept checkpoint loads bit for bit on {n} ranks" in out, out
+
+
+#: The module paths of 0.1.0's API reference (its docs/api.md), written out here rather than
+#: read from zero1_mpi.moved, so that a path the mapping forgets fails.
+API_0_1_0 = [
+    "backend", "binding", "buckets", "checkpoint", "comm", "configure", "engine", "exchange",
+    "export", "gathers", "grad_shards", "gradients", "jax", "jax_params", "kernels_numba",
+    "launcher", "layout", "ledger", "masters", "memory", "memory_tool", "nccl", "offload",
+    "options", "params", "persistence", "plan", "preemption", "progress", "reductions", "rule",
+    "rules", "rules.adam", "rules.lamb", "rules.lion", "rules.options", "rules.registry",
+    "rules.sgd", "scaler", "schedules", "spellings", "state", "state_dtypes", "step",
+    "topology", "torch", "torch_compat", "transformers", "views", "watchdog", "wire",
+]
+#: A name each moved module held in 0.1.0, and where it is now.
+OLD_NAMES = {
+    "zero1_mpi.checkpoint.CheckpointError": "zero1_mpi.persistence.manifest",
+    "zero1_mpi.options.Values": "zero1_mpi.config.options",
+    "zero1_mpi.export.save_consolidated": "zero1_mpi.persistence.consolidated",
+    "zero1_mpi.masters.RemainderMasters": "zero1_mpi.state.masters",
+    "zero1_mpi.state_dtypes.Int8State": "zero1_mpi.state.int8_blocks",
+    "zero1_mpi.wire.NumbaCodec": "zero1_mpi.wire.codec",
+    "zero1_mpi.state.ShardedState": "zero1_mpi.state.sharded",
+    "zero1_mpi.step.StepPipeline": "zero1_mpi.step.pipeline",
+    "zero1_mpi.params.decay_groups": "zero1_mpi.flat.inputs",
+}
+
+
+def _fresh_import(module: str):
+    """``module`` imported anew (its earlier import forgotten), and the warnings it gave."""
+    sys.modules.pop(module, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        imported = importlib.import_module(module)
+    return imported, [w for w in caught if issubclass(w.category, DeprecationWarning)]
+
+
+@pytest.mark.mpi_independent
+@pytest.mark.parametrize("module", API_0_1_0)
+def test_every_module_path_of_0_1_0_imports(module):
+    framework = {"torch": "torch", "torch_compat": "torch", "transformers": "transformers"}
+    if module in framework:
+        pytest.importorskip(framework[module])
+    from zero1_mpi.moved import MOVED
+    path = f"zero1_mpi.{module}"
+    imported, warned = _fresh_import(path)
+    moved = path in MOVED and not MOVED[path][0].startswith(path + ".")
+    assert len(warned) == moved, [str(w.message) for w in warned]
+    if moved:  # the message names the new homes, and the module holds their public names
+        homes = MOVED[path]
+        assert all(home in str(warned[0].message) for home in homes)
+        assert "0.2.0" in str(warned[0].message)
+        for home in map(importlib.import_module, homes):
+            for name in getattr(home, "__all__", []):
+                assert getattr(imported, name) is getattr(home, name) or any(
+                    name in vars(importlib.import_module(h)) for h in homes[:homes.index(
+                        home.__name__)]), name
+
+
+@pytest.mark.mpi_independent
+@pytest.mark.parametrize("old", sorted(OLD_NAMES))
+def test_a_name_from_an_old_path_is_the_new_object_with_a_warning(old):
+    module, name = old.rsplit(".", 1)
+    importlib.import_module("zero1_mpi")
+    if not hasattr(sys.modules.get(module), "__path__"):
+        sys.modules.pop(module, None)  # a moved module: imported anew, to warn again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = getattr(importlib.import_module(module), name)
+    assert value is getattr(importlib.import_module(OLD_NAMES[old]), name)
+    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(messages) == 1 and OLD_NAMES[old] in messages[0], messages
+
+
+@pytest.mark.mpi_independent
+def test_an_unknown_name_of_an_old_package_path_is_an_attribute_error():
+    import zero1_mpi.state
+    with pytest.raises(ImportError, match="nothing_of_0_1_0"):
+        from zero1_mpi.state import nothing_of_0_1_0  # noqa: F401
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("zero1_mpi.never_a_module")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        from zero1_mpi.state import masters  # a submodule: no warning
+    assert masters.__name__ == "zero1_mpi.state.masters"
+
+
+@pytest.mark.mpi_independent
+def test_the_docs_and_changelog_cite_only_paths_that_import_without_a_warning():
+    """Every ``zero1_mpi.x.y`` the README, docs/ and CHANGELOG cite is a module or a module's
+    attribute of today's layout (no old path, no DeprecationWarning), but in the paragraphs
+    that say they are about 0.1.0's paths."""
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    bad = []
+    for page in pages:
+        text = "\n\n".join(p for p in re.split(r"\n\s*\n|\n(?=- )", page.read_text())
+                           if "0.1.0's" not in p)
+        for cited in sorted(set(re.findall(r"`(zero1_mpi(?:\.[A-Za-z_]\w*)+)", text))):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)
+                if not _resolves(cited):
+                    bad.append(f"{page.name}: {cited}")
+    assert not bad, bad
+
+
+def _resolves(path: str) -> bool:
+    from zero1_mpi.moved import MOVED
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        if module in MOVED and not MOVED[module][0].startswith(module + "."):
+            return False  # 0.1.0's path of a moved module
+        try:
+            value = importlib.import_module(module)
+        except ImportError:
+            continue
+        except DeprecationWarning:  # below a moved module
+            return False
+        try:
+            for name in parts[cut:]:
+                value = getattr(value, name)
+        except (AttributeError, DeprecationWarning):
+            return False
+        return True
+    return False

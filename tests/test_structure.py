@@ -98,7 +98,7 @@ LAYERS = (
         "memory.report", "scaler", "progress", "launcher", "rules", "rules.protocol",
         "rules.options", "comm.watchdog", "bindings", "bindings.schedules",
         "bindings.optax_names", "cli", "cli.plan", "plan", "kernels", "wire", "wire.sizes",
-        "gradients", "state", "persistence", "config", "step", "step.records"}),
+        "gradients", "state", "persistence", "config", "step", "step.records", "moved"}),
     ("arrays and MPI", {
         "kernels.backend", "kernels.numba_shared", "kernels.numba_forms", "kernels.local_sums",
         "kernels.numba_scalars", "kernels.numba_generated", "kernels.cuda_generated",

@@ -11,6 +11,7 @@ from .engine import ShardedOptimizer, StepInfo
 from .flat.inputs import decay_groups
 from .flat.layout import Layout, build_layout
 from .memory import MemoryReport
+from .moved import install as _keep_old_paths
 from .persistence.manifest import CheckpointError
 from .rules import Rule
 from .rules.adam import ZeroAdam, ZeroAdamW
@@ -38,3 +39,4 @@ __all__ = [
     "build_layout",
 ]
 __version__ = "0.1.0"
+_keep_old_paths()  # 0.1.0's module paths, with a DeprecationWarning (zero1_mpi.moved)

@@ -22,6 +22,9 @@ A new collective goes in ``communicator.py`` (started: ``started.py``); a new tr
 (``zero1_mpi.comm.Communicator``).
 """
 
+from ..moved import old_names
 from .communicator import CollectiveError, Communicator
 
 __all__ = ["Communicator", "CollectiveError"]
+
+__getattr__ = old_names(__name__)  # 0.1.0 names of the module this package replaced

@@ -8,4 +8,8 @@
   gradient shard (``GradientShards``).
 """
 
+from ..moved import old_names
+
 __all__: list[str] = []
+
+__getattr__ = old_names(__name__)  # 0.1.0 names of the module this package replaced

@@ -16,4 +16,8 @@ A new state encoding goes in a module of its own beside ``int8_blocks.py`` (``en
 parameter shard, NVMe), beside ``placement.py``'s placements.
 """
 
+from ..moved import old_names
+
 __all__: list[str] = []
+
+__getattr__ = old_names(__name__)  # 0.1.0 names of the module this package replaced

@@ -7,4 +7,8 @@
 A new phase of the step (stage 3's gathers of a unit before its forward) goes in the pipeline.
 """
 
+from ..moved import old_names
+
 __all__: list[str] = []
+
+__getattr__ = old_names(__name__)  # 0.1.0 names of the module this package replaced

@@ -12,4 +12,8 @@
 A new wire format is a codec here, used by the exchange and the gathers.
 """
 
+from ..moved import old_names
+
 __all__: list[str] = []
+
+__getattr__ = old_names(__name__)  # 0.1.0 names of the module this package replaced
