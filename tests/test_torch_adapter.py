@@ -5,6 +5,8 @@ two LR schedulers in three dtypes, overlap and no_sync(), and misuse raised on e
 tests here check the arguments that are refused before any collective.
 """
 
+import importlib.util
+import os
 import subprocess
 import sys
 
@@ -24,6 +26,35 @@ from zero1_mpi.torch import ZeroOptimizer, as_array, as_tensor
 def test_adapter_matches_torch_adamw_with_schedulers_on_n_ranks(n, tmp_path):
     out = run_mpi(n, "torch_adapter.py", str(tmp_path / "ckpt"), timeout=300).stdout
     assert f"OK torch adapter: 4 parity runs x 12 steps on {n} ranks" in out, out
+
+
+def test_every_way_to_clip_gives_the_global_norm_in_any_import_order():
+    """tests/cases/torch_clipping.py: torch's names bound before zero1_mpi.torch is imported,
+    the module's own path, the deprecated name, get_total_norm + clip_grads_with_norm_ and
+    accelerate's Accelerator.clip_grad_norm_, in stage 1 and 2, against a float64 oracle; and
+    reduced_grads() as the clipped mean."""
+    has_accelerate = importlib.util.find_spec("accelerate") is not None
+    if not has_accelerate and os.environ.get("ZERO1_REQUIRE_TRANSFORMERS") == "1":
+        pytest.fail("ZERO1_REQUIRE_TRANSFORMERS=1 but accelerate does not import")
+    out = run_mpi(3, "torch_clipping.py", timeout=240).stdout
+    assert f"OK torch clipping: {5 + has_accelerate} ways x 2 stages on 3 ranks" in out, out
+
+
+def test_torch_clipping_functions_dispatch_here_through_torch_own_objects():
+    """torch's wrappers (what any early-bound name holds) call this binding's functions; a
+    wrapper of another shape is not patched but reported."""
+    from zero1_mpi.bindings import torch_compat
+    for name, wrapper in torch_compat._WRAPPERS.items():
+        assert getattr(torch.nn.utils, name) is wrapper  # torch's objects stay in place
+        cell = torch_compat._body_cell(name, wrapper)
+        assert cell.cell_contents is getattr(torch_compat, name)
+    torch_compat.install_clipping()  # idempotent
+    assert torch_compat._body_cell("clip_grad_norm_", lambda: None) is None
+
+    def other_wrapper(*args):
+        return func(*args)
+    func = print
+    assert torch_compat._body_cell("clip_grad_norm_", other_wrapper) is None
 
 
 def test_importing_the_package_does_not_import_torch():

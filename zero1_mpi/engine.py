@@ -87,15 +87,11 @@ class ShardedOptimizer:
     scaler = property(lambda self: self.counters.scaler, doc="The next step's ``LossScaler``.")
     kernel = property(lambda self: self.state.kernel_kind, doc="The update's kernel family.")
 
-    @property
-    def loss_scale(self) -> float:
-        """Multiply the loss by this before backward (1.0 without loss scaling)."""
-        return self.counters.scaler.scale
-
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps taken (skipped ones not counted)."""
-        return self.counters.step
+    loss_scale = property(
+        lambda self: self.counters.scaler.scale,
+        doc="Multiply the loss by this before backward (1.0 without loss scaling).",
+    )
+    step_count = property(lambda self: self.counters.step, doc="Steps taken (not skipped).")
 
     @property
     def last_step_seconds(self) -> dict:
@@ -160,6 +156,14 @@ class ShardedOptimizer:
         DeepSpeed's ``clip_grad_norm_`` do. All ranks, after the step's last backward; a later
         gradient is an error of the step. ``problem``: as ``step``'s (a bad ``max_norm`` too)."""
         return self._steps.clip_grad_norm(max_norm, problem)
+
+    @watched("reduce", 1)
+    def reduced_grads(self, *, problem: str | None = None) -> dict:
+        """``{name: fp32 array}`` on every rank: the step's gradients as its update will take
+        them (the mean over the ranks, unscaled, clipped), for logging. All ranks, after the
+        step's last backward: reduces them now (as ``clip_grad_norm_``; a later gradient is
+        an error of the step), then all-gathers them (new arrays, 4 bytes a parameter)."""
+        return self._steps.reduced_grads(problem)
 
     @watched("reduce", 1)
     def step(self, wait: bool = True, *, problem: str | None = None) -> StepInfo:

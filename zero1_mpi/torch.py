@@ -203,6 +203,20 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         device = next(iter(self._binding.values()))[0].device
         return torch.tensor(norm, dtype=torch.float32, device=device)
 
+    def reduced_grads(self, *, problem: str | None = None) -> dict:
+        """``{name: tensor}`` on every rank: the step's gradients as the coming ``step()`` will
+        take them (the mean over the ranks, unscaled, clipped), as DDP's ``.grad`` holds them
+        after ``clip_grad_norm_``; for gradient logging. ``.grad`` does not hold them (before
+        the reduction it is this rank's own gradient; after it, the reduced shard this rank
+        owns and stale values elsewhere; docs/pytorch.md). All ranks, after the step's last
+        backward: reduces now, as ``clip_grad_norm_``, and all-gathers (float32 tensors).
+        ``problem``: as ``step``'s."""
+        found = self._sync_problem()  # (.grad put back, param_groups pushed: always)
+        return {
+            name: as_tensor(array)
+            for name, array in self.sharded.reduced_grads(problem=problem or found).items()
+        }
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer (``step()`` leaves it zeroed already). ``set_to_none`` is
         accepted and ignored: the buffer is the gradients' storage, so they stay tensors."""

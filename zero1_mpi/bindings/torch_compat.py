@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -67,10 +68,19 @@ _INSTEAD = {
     "differentiable": "the update runs outside autograd",
 }
 
-#: torch's own functions, which ``install_clipping`` replaces.
-_TORCH = {
+#: torch's clipping functions as torch exports them (``torch.nn.utils.<name>``): wrappers that
+#: run their body under ``torch.no_grad()``, and which every reference to them reaches, however
+#: early it was bound (``from torch.nn.utils import clip_grad_norm_`` before zero1_mpi).
+_WRAPPERS = {
     name: getattr(torch.nn.utils, name)
     for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
+}
+#: Their bodies (under ``torch.no_grad()``, as torch runs them): what a tensor no ZeroOptimizer
+#: holds gets.
+_BODIES = {name: getattr(wrapper, "__wrapped__", None) for name, wrapper in _WRAPPERS.items()}
+_TORCH = {
+    name: torch.no_grad()(body) if body is not None else _WRAPPERS[name]
+    for name, body in _BODIES.items()
 }
 
 
@@ -153,13 +163,46 @@ def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None) -> Non
 
 
 def install_clipping() -> None:
-    """Put this module's clipping functions where torch code finds them (``torch.nn.utils``
-    and ``torch.nn.utils.clip_grad``); idempotent."""
-    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-        module.clip_grad_norm_ = clip_grad_norm_
-        module.clip_grad_value_ = clip_grad_value_
-        module.get_total_norm = get_total_norm
-        module.clip_grads_with_norm_ = clip_grads_with_norm_
+    """Make torch's clipping functions these, whichever name reaches them; idempotent.
+
+    Each of torch's wrappers calls the body it closes over (its ``func`` cell): that body
+    becomes this module's function of the same name, so that a name bound before
+    ``zero1_mpi.torch`` was imported, ``torch.nn.utils.clip_grad.clip_grad_norm_`` and
+    torch's own calls between them all dispatch here. A torch whose wrappers differ gets the
+    names replaced in ``torch.nn.utils`` and ``torch.nn.utils.clip_grad`` instead, and a
+    warning that names bound earlier are not reached."""
+    ours = {
+        "clip_grad_norm_": clip_grad_norm_,
+        "clip_grad_value_": clip_grad_value_,
+        "get_total_norm": get_total_norm,
+        "clip_grads_with_norm_": clip_grads_with_norm_,
+    }
+    for name, wrapper in _WRAPPERS.items():
+        cell = _body_cell(name, wrapper)
+        if cell is not None:
+            cell.cell_contents = ours[name]
+            continue
+        warnings.warn(
+            f"torch {torch.__version__}'s {name} is not the wrapper zero1_mpi knows: only "
+            f"torch.nn.utils.{name} looked up after importing zero1_mpi.torch gives the global "
+            "norm; call opt.clip_grad_norm_(max_norm) to be sure",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            setattr(module, name, ours[name])
+
+
+def _body_cell(name: str, wrapper):
+    """The closure cell holding the body torch's wrapper of ``name`` calls (its ``_no_grad``
+    wrapper's ``func``, which ``__wrapped__`` names), or None when it has no such cell."""
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or not closure or "func" not in code.co_freevars:
+        return None
+    cell = closure[code.co_freevars.index("func")]
+    if cell.cell_contents is not _BODIES[name] and cell.cell_contents.__module__ != __name__:
+        return None  # neither torch's body nor ours (installed before): not what we know
+    return cell
 
 
 def _owner(params: list, function: str):

@@ -16,8 +16,11 @@ import math
 import time
 from dataclasses import replace
 
+import numpy as np
+
 from ..comm.communicator import CollectiveError
 from ..flat.inputs import group_options
+from ..kernels.backend import xp_of, zeros
 from ..rules.options import number
 from .records import Agreement, Counters, StepInfo
 
@@ -75,10 +78,7 @@ class StepPipeline:
                 StepInfo(grad_norm, True, scale, 1.0, counters.step), agreed
             )
 
-        clip = 1.0
-        for max_norm in (counters.max_grad_norm, self._clip_to):
-            if max_norm is not None:
-                clip = min(clip, max_norm / (grad_norm + CLIP_EPS))
+        clip = self._clip_coef(grad_norm)
         factor = clip / (comm.size * scale)
         self.watch.disarm()  # the update is this rank's own work (the first may compile)
         with comm.abort_on_error("in step() while updating the parameters"):
@@ -123,6 +123,27 @@ class StepPipeline:
             self._clip_to = float(max_norm)
         return math.sqrt(agreed.sum_sq) / (self.comm.size * self.counters.scaler.scale)
 
+    def reduced_grads(self, problem: str | None = None) -> dict:
+        """``ShardedOptimizer.reduced_grads``: the step's reduction and agreement now (as
+        ``clip_grad_norm``), every bucket's shard scaled as the update will take it (the mean,
+        unscaled, clipped) and all-gathered over the shard group into a new fp32 buffer;
+        ``{name: view}`` of it. Armed on the watchdog by the caller."""
+        reduced, agreed = self._reduce_and_agree(problem)[:2]
+        scale = self.counters.scaler.scale
+        grad_norm = math.sqrt(agreed.sum_sq) / (self.comm.size * scale)
+        factor = self._clip_coef(grad_norm) / (self.comm.size * scale)
+        layout, topology = self.state.layout, self.state.topology
+        flat = zeros(xp_of(reduced[0]), layout.total, np.float32)
+        for bucket, shard in zip(layout.buckets, reduced):
+            whole = flat[bucket.offset : bucket.offset + bucket.size]
+            lo = topology.shard_rank * bucket.shard_size
+            whole[lo : lo + bucket.shard_size] = shard * np.float32(factor)
+            self.watch.bucket = bucket.index
+            topology.shard_comm.allgather_inplace(whole)
+        return {
+            t.name: flat[t.offset : t.offset + t.numel].reshape(t.shape) for t in layout.tensors
+        }
+
     def ready(self, names) -> None:
         """``gradients.ready``, or after ``clip_grad_norm`` a problem for the step."""
         if self._reduced is None:
@@ -166,6 +187,15 @@ class StepPipeline:
             self.persistence.agreed(agreed)
         self._raise_disagreement(agreed, problem)
         return self._reduced, agreed, started, reduced_at
+
+    def _clip_coef(self, grad_norm: float) -> float:
+        """The step's clipping coefficient for ``grad_norm``: by ``max_grad_norm`` and by
+        ``clip_grad_norm_``'s ``max_norm``, as torch's (1.0: none)."""
+        clip = 1.0
+        for max_norm in (self.counters.max_grad_norm, self._clip_to):
+            if max_norm is not None:
+                clip = min(clip, max_norm / (grad_norm + CLIP_EPS))
+        return clip
 
     def _agreement(self, problem: str | None) -> Agreement:
         """This rank's part of the step's agreement."""
