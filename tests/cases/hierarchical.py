@@ -17,7 +17,9 @@ of the loaded state is byte for byte the saved one). ``load`` (another world siz
 where it divides M, K = 2) loads every saved checkpoint and checks the same.
 """
 
+import gc
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +110,31 @@ def check_sub_communicators_keep_the_settings(k):
     given.free()
 
 
+def check_the_ledger_counts_every_communicator(k):
+    """With the host's buffers staged (``stage_host``) every communicator holds staging
+    buffers, the groups' and the replicas' too: what the optimizer holds after a step, measured
+    with tracemalloc, is ``memory_report().total`` (within the Python objects around the
+    arrays), and its ``comm_scratch`` is the difference from the arrays it names."""
+    given = Communicator(world, stage_host=True)
+    init = {"w": np.ones((300, 1000), np.float32), "b": np.ones(1000, np.float32)}
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    opt = ZeroAdamW(init, given, shard_group_size=k, param_dtype="bfloat16")
+    for g in opt.grads.values():
+        g[...] = 1e-3
+    opt.step()
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    report = opt.memory_report()
+    check(abs(held - report.total) <= 64 * 1024,
+          f"K={k}, staged: the optimizer holds {held} bytes, memory_report().total is "
+          f"{report.total} (comm_scratch {report.comm_scratch})")
+    opt.close()
+    given.free()
+
+
 def expect_error(kind, words, **kwargs):
     kit.raises(kind, words, lambda: ZeroAdamW(kit.init_values(SHAPES), world,
                                               bucket_elements=1, **kwargs))
@@ -127,6 +154,7 @@ def save(directory: Path, k: int):
         for dtype_name in ("float32", "bfloat16"):
             check_parity(variant, options, dtype_name, k)
     check_sub_communicators_keep_the_settings(k)
+    check_the_ledger_counts_every_communicator(k)
     check_bad_values()
     for label, variant, options in cases():
         opt = make(variant, options, "bfloat16", k)

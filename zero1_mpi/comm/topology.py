@@ -68,6 +68,16 @@ class Topology:
         self.shard_comm = comm if one else comm.split(self.replica)
         self.replica_comm = None if one else comm.split(self.shard_rank)
 
+    @property
+    def communicators(self) -> list[Communicator]:
+        """Every communicator of the groups, each once: ``comm``, and with several groups
+        ``shard_comm`` and ``replica_comm`` (each with its own staging buffers and blocks)."""
+        return (
+            [self.comm]
+            if self.replica_comm is None
+            else [self.comm, self.shard_comm, self.replica_comm]
+        )
+
     def close(self) -> None:
         """Free the sub-communicators (and ``comm`` where owned); idempotent; all ranks."""
         if self.replica_comm is not None:

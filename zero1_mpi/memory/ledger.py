@@ -19,7 +19,7 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
     """The bytes this rank holds in ``state`` (``state.ShardedState``), ``gradients`` (a
     ``gradients.GradientSource``), the engine's ``reductions`` and ``persistence``'s host copy;
     ``backend``: the parameters' (``"cupy"``: MPI's staging buffers are the host's)."""
-    layout, comm = state.layout, state.topology.comm
+    layout = state.layout
     psi, owned = layout.numel, layout.owned_real(state.shard_rank)
     grads, masters = gradients.buffer, state.masters
     real = {
@@ -34,7 +34,8 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
     device = state.flat.nbytes + grads.nbytes + held - host_held
     padding = device - real["parameters"] - real["gradients"] - (sharded_real - host_real)
     device_scratch, host_scratch = state.scratch_bytes()
-    staging = comm.routes.staging_bytes  # page-locked for CuPy parameters: the host's
+    routes = [c.routes for c in state.topology.communicators]  # each group's own too
+    staging = sum(r.staging_bytes for r in routes)  # page-locked for CuPy parameters: the host's
     staged_on_host = staging if backend == "cupy" else 0
     return MemoryReport(
         **real,
@@ -45,7 +46,7 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         + device_scratch
         + staging
         - staged_on_host
-        + comm.routes.block_bytes,
+        + sum(r.block_bytes for r in routes),
         psi=psi,
         group_size=layout.group_size,
         rank=state.shard_rank,
