@@ -154,7 +154,7 @@ opt = ZeroAdamW(init, comm, lr=args.lr, weight_decay=1e-2, param_dtype=args.dtyp
 psi = opt.layout.numel
 collectives = "persistent" if opt.comm.persistent else "nonblocking"
 print0(f"train_mlp: world_size={size} psi={psi} dtype={opt.param_dtype.name} "
-       f"backend={opt.backend} mlp={'-'.join(map(str, sizes))} batch={args.batch} "
+       f"backend={opt.backend} kernels={opt.kernel} mlp={'-'.join(map(str, sizes))} batch={args.batch} "
        f"({per_rank} per rank) steps={args.steps} lr={args.lr} "
        f"collectives={collectives} ({opt.comm.persistent_source})")
 start = 0

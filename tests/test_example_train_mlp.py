@@ -8,6 +8,7 @@ last line ``final: first_loss=... last_loss=...``.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import math
 import re
 import time
@@ -46,6 +47,8 @@ def test_loss_falls(n, dtype, tmp_path):
         else:
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out, out
     assert f"world_size={n} " in out and f"dtype={dtype} " in out, out
+    family = "numba" if importlib.util.find_spec("numba") else "numpy"  # (ZERO1_MPI_KERNEL unset)
+    assert f"backend=numpy kernels={family} " in out, out
     assert "ms/step" in out and "bytes/rank" in out, out
     final = re.search(r"^final: first_loss=(\S+) last_loss=(\S+)$", out, re.MULTILINE)
     assert final, out

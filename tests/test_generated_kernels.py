@@ -8,13 +8,17 @@ generated_kernels.py): the rules x masters x bf16 and 8-bit state x stage 1 and 
 against Numba.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import casekit as kit
 from zero1_mpi.kernels.backend import BFLOAT16
 
-from mpirun import run_mpi
+from mpirun import ROOT, run_mpi
 
 pytest.importorskip("numba")
 
@@ -107,6 +111,39 @@ def test_a_combination_is_written_once_and_a_changed_source_gets_another(monkeyp
     monkeypatch.setattr(gen, "_INLINED", gen._INLINED + ("zero1_mpi.rules.lion",))
     gen.fused_kernel(*key)  # a changed inlined source: another file
     assert len(list(tmp_path.glob("zero1_mpi_generated_*.py"))) == 2
+
+
+@pytest.mark.mpi_independent
+def test_the_first_generation_on_a_machine_says_so_once(tmp_path):
+    """Four processes that start together on a new cache directory (ranks, say): one line,
+    from one of them, naming the combination and the directory; a later run: none."""
+    code = (
+        "from zero1_mpi.kernels import numba_generated as gen\n"
+        "from zero1_mpi.kernels.numba_forms import FP32_FORM, INT8_FORM, REMAINDER_FORM\n"
+        "from zero1_mpi.kernels.numba_shared import BF16, FP32\n"
+        "from zero1_mpi.rules.lion import NumbaLion\n"
+        "gen.fused_kernel(NumbaLion.element, FP32, BF16, REMAINDER_FORM, (INT8_FORM,))\n"
+        "gen.fused_kernel(NumbaLion.element, FP32, FP32, FP32_FORM, (FP32_FORM,))\n"
+    )
+    env = {**os.environ, "ZERO1_MPI_KERNEL_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+
+    def run_together(n):
+        runs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for _ in range(n)]
+        outs = [run.communicate(timeout=120) for run in runs]
+        assert all(run.returncode == 0 for run in runs), outs
+        return [line for _, err in outs for line in err.splitlines() if "zero1_mpi: " in line]
+
+    lines = run_together(4)
+    assert sorted(lines) == sorted([
+        "zero1_mpi: compiling the Numba update for lion, bf16 parameters, fp32 gradients, "
+        f"bf16 remainder masters, 8-bit state, once on this machine (10 s to a minute; later "
+        f"runs load it from {tmp_path})",
+        "zero1_mpi: compiling the Numba update for lion, fp32 parameters, fp32 gradients, "
+        f"fp32 state, once on this machine (10 s to a minute; later runs load it from "
+        f"{tmp_path})"]), lines
+    assert run_together(2) == []
 
 
 @pytest.mark.mpi_independent

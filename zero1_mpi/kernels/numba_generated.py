@@ -33,7 +33,14 @@ from .numba_forms import (
 )
 from .numba_shared import BF16, FP16, FP16_TABLE, FP32, encoding
 
-__all__ = ["GeneratedKernel", "fused_kernel", "source", "cache_dir", "widest_vectors"]
+__all__ = [
+    "GeneratedKernel",
+    "fused_kernel",
+    "source",
+    "cache_dir",
+    "widest_vectors",
+    "describe",
+]
 
 _GRAD = {FP32: "grad[i]", BF16: "widen_bf16(grad[i])", FP16: "table[grad[i]]"}
 _PARAM = {BF16: "rne_bf16(p)", FP16: "round_f16(p)"}
@@ -283,6 +290,13 @@ def fused_kernel(element, grad_kind: int, param_kind: int, master_kind: int, sta
         name = f"zero1_mpi_generated_{digest}"
         place = cache_dir()
         path = place / f"{name}.py"
+        if _first_on_this_machine(path):
+            print(
+                f"zero1_mpi: compiling the Numba update for {describe(*key)}, once on this "
+                f"machine (10 s to a minute; later runs load it from {place})",
+                file=sys.stderr,
+                flush=True,
+            )
         if not path.exists() or path.read_text() != text:
             # Written whole then renamed: ranks that start together never read half a file.
             fd, tmp = tempfile.mkstemp(dir=place, suffix=".tmp")
@@ -296,6 +310,36 @@ def fused_kernel(element, grad_kind: int, param_kind: int, master_kind: int, sta
         spec.loader.exec_module(module)
         _kernels[key] = module.kernel
     return _kernels[key]
+
+
+def _first_on_this_machine(path: Path) -> bool:
+    """Whether this process is the first to generate ``path`` in its cache directory: of the
+    ranks that start together, the one that creates its marker (``.announced``) first."""
+    try:
+        os.close(os.open(path.with_suffix(".announced"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # (cache_dir checked that it can be written)
+        return False
+    return True
+
+
+_STORED = {FP32: "fp32", BF16: "bf16", FP16: "fp16"}
+_MASTERS = {FP32_FORM: "fp32 masters", REMAINDER_FORM: "bf16 remainder masters"}
+_STATES = {FP32_FORM: "fp32", BF16_FORM: "bf16", INT8_FORM: "8-bit"}
+
+
+def describe(element, grad_kind: int, param_kind: int, master_kind: int, state_kinds) -> str:
+    """One combination in words: ``adam, bf16 parameters, bf16 remainder masters, fp32
+    state``."""
+    rule = element.__name__.strip("_").removesuffix("_element")
+    parts = [rule, f"{_STORED[param_kind]} parameters", f"{_STORED[grad_kind]} gradients"]
+    if param_kind != FP32:
+        parts.append(_MASTERS.get(master_kind, "fp32 masters"))
+    states = [_STATES[k] for k in state_kinds if k in _STATES]
+    if states:
+        parts.append(f"{'/'.join(dict.fromkeys(states))} state")
+    return ", ".join(parts)
 
 
 _NO_U16, _NO_FOUND = np.empty(0, np.uint16), np.empty(0, np.int64)
