@@ -243,13 +243,42 @@ def test_what_cannot_work_is_refused_with_the_fix(tmp_path, kwargs, trainer_kwar
 @pytest.mark.mpi_independent
 def test_the_trainer_s_arguments_know_the_ranks_and_pickle_as_the_user_s(tmp_path):
     args = arguments(tmp_path)
+    base = type(args)
     trainer = ZeroTrainer(model=tiny_model(), args=args, comm=MPI.COMM_SELF)
-    assert trainer.args is not args and isinstance(trainer.args, type(args))
+    assert trainer.args is args and isinstance(args, base)  # the script's own args, in place
     assert (trainer.args.world_size, trainer.args.process_index) == (1, 0)
     assert trainer.args.should_save and trainer.is_world_process_zero()
-    assert type(pickle.loads(pickle.dumps(trainer.args))) is type(args)
+    assert type(pickle.loads(pickle.dumps(trainer.args))) is base
     with trainer.args.main_process_first():
         pass
+
+
+def test_the_script_s_args_read_the_mpi_ranks_on_every_rank():
+    """tests/cases/trainer_args.py: the args a script built and handed to ZeroTrainer tell each
+    of 2 ranks its MPI rank and the world size, as trainer.args does (they are one object)."""
+    out = run_mpi(2, "trainer_args.py", timeout=180).stdout
+    assert "OK the script's TrainingArguments know the ranks on 2 ranks" in out, out
+
+
+@pytest.mark.mpi_independent
+def test_importing_after_torch_distributed_started_names_the_order(tmp_path):
+    """A TrainingArguments built before the import under mpiexec (with MASTER_ADDR set) has
+    started torch.distributed: importing zero1_mpi.transformers then says what to do."""
+    code = (
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rdv'}', rank=0, "
+        "world_size=1)\n"
+        "try:\n"
+        "    import zero1_mpi.transformers\n"
+        "except ImportError as exc:\n"
+        "    print('RAISED', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env={**env, "PYTHONPATH": str(ROOT)})
+    assert "RAISED zero1_mpi.transformers was imported after torch.distributed" in done.stdout, \
+        done.stdout + done.stderr
+    assert "import zero1_mpi.transformers before building TrainingArguments" in done.stdout
 
 
 @pytest.mark.mpi_independent

@@ -13,7 +13,6 @@ docstring and docs/transformers.md. Imported only by its users (transformers, ac
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import os
 import warnings
@@ -36,7 +35,14 @@ from .comm.capabilities import mpi_library
 from .comm.communicator import Communicator
 from .torch import ZeroOptimizer
 
-__all__ = ["ZeroTrainer", "TrainerZeroOptimizer", "OPTIMIZER_DIR", "PRIVATE_HOOKS", "hide_launch"]
+__all__ = [
+    "ZeroTrainer",
+    "TrainerZeroOptimizer",
+    "OPTIMIZER_DIR",
+    "PRIVATE_HOOKS",
+    "hide_launch",
+    "check_import_order",
+]
 
 #: The subdirectory of a Trainer checkpoint that holds the sharded optimizer.
 OPTIMIZER_DIR = "zero1_optimizer"
@@ -87,10 +93,11 @@ class ZeroTrainer(Trainer):
     There is no ``torch.distributed``: accelerate sees one process and does not wrap the model
     in DDP (the optimizer averages the gradients). What must know the ranks is told:
 
-    - ``args`` becomes a copy whose ``world_size``, ``process_index`` and
-      ``local_process_index`` are the MPI ones, so ``should_save``/``should_log``, the
-      per-rank ``rng_state_<r>.pth``, the progress bar and the reporting integrations behave
-      as under DDP. It pickles (``training_args.bin``) as the original class.
+    - ``args`` (the object given, in place: the script's ``args`` is ``trainer.args``) reads
+      ``world_size``, ``process_index`` and ``local_process_index`` from MPI, so
+      ``should_save``/``should_log``, the per-rank ``rng_state_<r>.pth``, the progress bar
+      and the reporting integrations behave as under DDP. It pickles (``training_args.bin``)
+      as the original class.
     - The train dataloader is accelerate's prepared for ``num_processes=N,
       process_index=rank``: each rank reads the batches DDP rank r reads under ``torchrun``.
     - The optimizer is a ``ZeroOptimizer`` over Trainer's two param groups with ``args``'
@@ -302,7 +309,8 @@ _RANKED: dict[type, type] = {}
 
 
 def _ranked(args, comm):
-    """A copy of ``args`` whose ranks are ``comm``'s (a subclass of its class)."""
+    """``args``, its class made a subclass whose ranks are ``comm``'s (in place: the script's
+    own ``args`` and ``trainer.args`` are one object)."""
     base = getattr(type(args), "_zero1_base", type(args))
     cls = _RANKED.get(base)
     if cls is None:
@@ -313,9 +321,9 @@ def _ranked(args, comm):
             "local_process_index": property(lambda self: self._zero1_local_rank),
             "main_process_first": _main_process_first, "__reduce_ex__": _reduce_as_base,
         })  # fmt: skip
-    ranked = copy.copy(args)
-    ranked.__class__, ranked._zero1_comm, ranked._zero1_local_rank = cls, comm, comm.node_rank()
-    return ranked
+    # the user's own object, not a copy: an args kept by the script reads the same ranks
+    args.__class__, args._zero1_comm, args._zero1_local_rank = cls, comm, comm.node_rank()
+    return args
 
 
 @contextlib.contextmanager
@@ -382,6 +390,24 @@ def _refusal(args, model, rest, kwargs, zero_options) -> str | None:
     return None
 
 
+def check_import_order() -> None:
+    """An ImportError if torch.distributed was started before this module was imported (and
+    torchrun did not launch this process): a ``TrainingArguments(...)`` built before the
+    import, under ``mpiexec`` with ``MASTER_ADDR`` set, starts it for accelerate, and without
+    ``MASTER_ADDR`` fails there with torch's "MASTER_ADDR expected" before zero1_mpi runs."""
+    import torch.distributed as dist
+
+    if "LOCAL_RANK" in os.environ or not (dist.is_available() and dist.is_initialized()):
+        return
+    raise ImportError(
+        "zero1_mpi.transformers was imported after torch.distributed had started (a "
+        "TrainingArguments(...) built before this import starts it under mpiexec): import "
+        "zero1_mpi.transformers before building TrainingArguments (the same order avoids "
+        "torch's 'MASTER_ADDR expected' error at TrainingArguments(...)); see "
+        "docs/transformers.md"
+    )
+
+
 def hide_launch(environ=os.environ) -> list[str]:
     """Remove ``LAUNCH_SIZES`` from ``environ`` after starting MPI (which reads them), unless
     torchrun launched this process; returns the names removed. Run when this module is
@@ -395,4 +421,5 @@ def hide_launch(environ=os.environ) -> list[str]:
     return found
 
 
+check_import_order()
 hide_launch()
