@@ -345,6 +345,61 @@ def test_leaves_that_are_not_parameters_are_named_with_the_fix():
         assert text in message, message
 
 
+def test_a_group_that_selects_no_leaf_is_refused_naming_it_and_the_leaves():
+    """A selector that is False for every leaf (a function or an empty collection) would leave
+    its options unused without a word: refused, naming the group and the first leaf names."""
+    tree = {"dense": {"kernel": np.ones((4, 2), np.float32), "bias": np.ones(2, np.float32)}}
+    for selector in (lambda name, leaf: name.endswith("beta"), []):
+        with pytest.raises(ValueError, match=re_escape(
+                "groups[1]['params'] selects no leaf of the 2 of params, named like "
+                "['dense/bias', 'dense/kernel']")):
+            ZeroOptimizer(tree, "adamw", MPI.COMM_SELF, groups=[
+                {"params": lambda name, leaf: leaf.ndim == 2, "lr": 1e-3},
+                {"params": selector, "weight_decay": 0.0}])
+
+
+def test_selectors_and_masks_of_0_1_0_names_work_with_a_warning():
+    """0.1.0 named an nnx Variable's leaf ``lin/bias/value``: a selector (function or names)
+    or a mask written against those names selects what today's names select, with a
+    DeprecationWarning; the optimizer is the one today's names build."""
+    needs_flax()
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 3, rngs=rngs)
+            self.out = nnx.Linear(3, 2, rngs=rngs)
+
+    params = nnx.state(Model(nnx.Rngs(0)), nnx.Param)
+    today = ZeroOptimizer(params, "adamw", MPI.COMM_SELF, groups=[
+        {"params": lambda name, leaf: name.endswith("bias"), "weight_decay": 0.0}])
+    expected = [(g["names"], g["weight_decay"]) for g in today.param_groups]
+    old = [
+        {"groups": [{"params": lambda name, leaf: name.endswith("bias/value"),
+                     "weight_decay": 0.0}]},
+        {"groups": [{"params": ["lin/bias/value", "out/bias/value"], "weight_decay": 0.0}]},
+        {"mask": {"lin": {"bias": {"value": False}, "kernel": {"value": True}},
+                  "out": {"bias": {"value": False}, "kernel": {"value": True}}}},
+    ]
+    for options in old:
+        with pytest.warns(DeprecationWarning, match="0.1.0's leaf names"):
+            opt = ZeroOptimizer(params, "adamw", MPI.COMM_SELF, **options)
+        got = [(g["names"], g["weight_decay"]) for g in opt.param_groups]
+        assert sorted(got) == sorted(expected), (options, got)
+        assert opt.names == today.names
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_flax_nnx_checkpoint_of_0_1_0_loads_bit_for_bit(n):
+    """tests/cases/kept_nnx_checkpoint.py on tests/data/nnx-checkpoint-0.1.0 (written by
+    0.1.0, its names ending in ``/value``): the saved parameters, and on 2 ranks the next step
+    bitwise 0.1.0's."""
+    needs_flax()
+    out = run_mpi(n, "kept_nnx_checkpoint.py", "check",
+                  str(ROOT / "tests" / "data" / "nnx-checkpoint-0.1.0"), timeout=240).stdout
+    assert f"OK 0.1.0's nnx checkpoint loaded on {n} ranks" in out, out
+
+
 def test_flax_nnx_state_names_drop_the_variables_value():
     """A flax.nnx State's leaves are ``Variable.value``: named as the Variable (``lin/kernel``,
     as ``nnx.to_pure_dict`` and the model's attributes), while a dict key ``value`` (the

@@ -131,6 +131,7 @@ class ZeroOptimizer(PassThrough):
         self._names, self._treedef = found.names, found.treedef
         #: The core optimizer: buffers, layout, param groups, checkpoints.
         self.sharded: ShardedOptimizer = cls(found.params, comm, **found.options)
+        self.sharded.persistence.old_names = found.old_names  # 0.1.0's checkpoints load
         self._schedules = Schedules(found.schedules, self.sharded.param_groups, 0)
         #: The ``StepInfo`` of the last ``step()`` (None before the first).
         self.last_step: StepInfo | None = None

@@ -13,6 +13,7 @@ leaf, the group or the option, which the caller raises on every rank. Imports JA
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
@@ -29,7 +30,16 @@ except ImportError:  # the module still imports (tools, docs); its functions nee
 else:
     _TRACER = getattr(jax.core, "Tracer", ())
 
-__all__ = ["ALIGNMENT", "CoreInputs", "core_inputs", "leaf_names", "path_name", "is_tracer"]
+__all__ = [
+    "ALIGNMENT",
+    "CoreInputs",
+    "core_inputs",
+    "leaf_names",
+    "old_leaf_names",
+    "warn_old_names",
+    "path_name",
+    "is_tracer",
+]
 
 #: Bytes: XLA:CPU makes a JAX array of host memory without a copy only at this alignment.
 ALIGNMENT = 64
@@ -44,6 +54,8 @@ class CoreInputs(NamedTuple):
     params: Any
     options: dict
     schedules: dict[int, Callable]
+    #: 0.1.0's name -> today's, for the leaves whose name changed (nnx Variables').
+    old_names: dict[str, str]
 
 
 def core_inputs(params, cls, groups, mask, options: dict) -> CoreInputs:
@@ -52,11 +64,13 @@ def core_inputs(params, cls, groups, mask, options: dict) -> CoreInputs:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     names = leaf_names(params)
     arrays = _host_params(names, leaves)
+    old = dict(zip(old_leaf_names(params), names))  # 0.1.0's name -> today's
     options, groups = _spelled(cls, options, groups, mask is not None)
-    exempt = _masked_out(mask, params, names)
-    grouped = _grouped(arrays, groups, _itemsize(arrays, options), exempt)
+    exempt = _masked_out(mask, params, names, old)
+    grouped = _grouped(arrays, groups, _itemsize(arrays, options), exempt, old)
     options, schedules = _scheduled(grouped, options)
-    return CoreInputs(names, treedef, grouped, options, schedules)
+    changed = {o: n for o, n in old.items() if o != n}
+    return CoreInputs(names, treedef, grouped, options, schedules, changed)
 
 
 def is_tracer(value) -> bool:
@@ -72,9 +86,32 @@ def leaf_names(tree) -> list[str]:
     return [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def path_name(path) -> str:
-    """A tree path's name: its keys joined by ``/`` (see ``leaf_names``)."""
-    if path and getattr(path[-1], "name", None) == "value" and not hasattr(path[-1], "key"):
+def old_leaf_names(tree) -> list[str]:
+    """``leaf_names`` as 0.1.0 gave them: an nnx Variable's array named ``lin/kernel/value``.
+    Selectors, masks and checkpoints of those names are taken until 0.2.0, with a
+    ``DeprecationWarning``."""
+    return [path_name(p, True) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def warn_old_names(what: str) -> None:
+    """The ``DeprecationWarning`` for 0.1.0's leaf names found in ``what``."""
+    warnings.warn(
+        f"{what} uses 0.1.0's leaf names (an nnx Variable's ending in '/value'), taken until "
+        "0.2.0: name leaves as leaf_names() does now ('lin/kernel', as nnx.to_pure_dict)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+
+def path_name(path, as_in_0_1_0: bool = False) -> str:
+    """A tree path's name: its keys joined by ``/`` (see ``leaf_names``); ``as_in_0_1_0``:
+    as 0.1.0 named it, an nnx Variable's array with ``/value`` (``old_leaf_names``)."""
+    if (
+        not as_in_0_1_0
+        and path
+        and getattr(path[-1], "name", None) == "value"
+        and not hasattr(path[-1], "key")
+    ):
         path = path[:-1]  # an nnx Variable's array: named as the Variable
     parts = []
     for key in path:
@@ -192,7 +229,7 @@ def _check_schedules(options: dict, names: Collection[str], where: str) -> None:
             )
 
 
-def _masked_out(mask, params, names: list[str]) -> set[str]:
+def _masked_out(mask, params, names: list[str], old: Mapping[str, str]) -> set[str]:
     """The names of the leaves that ``mask`` (optax's: a pytree of bools like ``params``, or
     a prefix of it, or a function ``params -> such a pytree``; True where weight decay
     applies) exempts from weight decay; TypeError or ValueError naming the mask's leaf."""
@@ -207,6 +244,9 @@ def _masked_out(mask, params, names: list[str]) -> set[str]:
                 f"mask[{name!r}] is {value!r}: a mask's leaves must be True (weight decay "
                 "applies) or False (none)"
             )
+        if name not in names and name in old and old[name] != name:
+            warn_old_names(f"mask[{name!r}]")
+            name = old[name]
         if name in given:
             raise ValueError(f"two leaves of mask have the same name {name!r}: rename one")
         given[name] = bool(value)
@@ -281,7 +321,7 @@ def _itemsize(arrays: dict, options: dict) -> int:
         return 1
 
 
-def _grouped(arrays: dict, groups, itemsize: int, exempt: Collection[str] = ()):
+def _grouped(arrays: dict, groups, itemsize: int, exempt: Collection[str] = (), old=None):
     """The core's ``params``: one mapping, or a list of groups (the leaves no group selects
     first; each split in two where ``exempt`` names some of its leaves but not all: those
     get ``weight_decay=0.0``), each ordered whole-64-byte leaves first."""
@@ -309,17 +349,11 @@ def _grouped(arrays: dict, groups, itemsize: int, exempt: Collection[str] = ()):
                 f"groups[{index}]['params'] must be a function (name, leaf) -> bool "
                 f"or a collection of leaf names, got {selector!r}"
             )
-        if not callable(selector):
-            unknown = sorted(set(selector) - set(arrays))
-            if unknown:
-                raise ValueError(
-                    f"groups[{index}]['params'] names leaves that params lacks: "
-                    f"{unknown}; the names are {list(arrays)}"
-                )
+    selects = [_selects(group["params"], index, arrays, old or {}) for index, group in
+               enumerate(groups)]  # fmt: skip
     for name, array in arrays.items():
-        for index, group in enumerate(groups):
-            selector = group["params"]
-            if selector(name, array) if callable(selector) else name in selector:
+        for index, chooses in enumerate(selects):
+            if chooses(name, array):
                 chosen[index][name] = array
                 break
         else:
@@ -333,6 +367,39 @@ def _grouped(arrays: dict, groups, itemsize: int, exempt: Collection[str] = ()):
         if others:
             found.append({**group, "params": _aligned_first(others, itemsize), "weight_decay": 0.0})
     return found
+
+
+def _selects(selector, index: int, arrays: dict, old: Mapping[str, str]):
+    """Group ``index``'s ``selector`` as ``f(name, leaf) -> bool`` over today's names: a
+    function, or a collection of names; 0.1.0's names (``old``: theirs -> today's) where today's
+    select nothing, with a warning; a ValueError for names params lacks, or a selector that
+    selects no leaf."""
+    where = f"groups[{index}]['params']"
+    if not callable(selector):
+        names = set(selector)
+        renamed = {old[n] for n in names if n not in arrays and n in old}
+        if renamed:
+            warn_old_names(where)
+        unknown = sorted(n for n in names - set(arrays) if n not in old)
+        if unknown:
+            raise ValueError(
+                f"{where} names leaves that params lacks: {unknown}; the names are {list(arrays)}"
+            )
+        names = (names & set(arrays)) | renamed
+        if names:
+            return lambda name, leaf: name in names
+    elif any(selector(n, a) for n, a in arrays.items()):
+        return selector
+    else:
+        today = {n: o for o, n in old.items()}
+        if any(selector(today[n], a) for n, a in arrays.items() if today.get(n, n) != n):
+            warn_old_names(where)
+            return lambda name, leaf: selector(today.get(name, name), leaf)
+    first = list(arrays)[:6]
+    raise ValueError(
+        f"{where} selects no leaf of the {len(arrays)} of params, "
+        f"named like {first}{' ...' if len(arrays) > 6 else ''} (leaf_names(params))"
+    )
 
 
 def _aligned_first(arrays: dict, itemsize: int) -> dict:

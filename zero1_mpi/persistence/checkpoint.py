@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import cast
 
@@ -39,6 +40,7 @@ from .manifest import (
     read_counters,
     read_manifest,
     resolve,
+    with_todays_names,
 )
 from .publish import publish, remove_tree, unlink
 
@@ -318,17 +320,26 @@ def _manifest(comm, state, counters) -> dict:
     }
 
 
-def load(comm, state, counters, path) -> Path:
+def load(comm, state, counters, path, old_names: dict | None = None) -> Path:
     """Load the checkpoint at ``path`` (a root with ``LATEST``, or one checkpoint directory)
     into ``state`` and ``counters``, whatever world size saved it; return the checkpoint
-    directory."""
+    directory. ``old_names``: an earlier release's tensor names (theirs -> today's) that the
+    checkpoint may hold instead, taken with a ``DeprecationWarning``."""
     error = None  # the try binds ckpt, reads and saved, or agree() raises on every rank
     try:
         ckpt, latest_digest = resolve(Path(path))
-        manifest = read_manifest(ckpt, latest_digest)
+        manifest, saved_as = with_todays_names(read_manifest(ckpt, latest_digest), old_names or {})
+        if saved_as:
+            warnings.warn(
+                f"the checkpoint {ckpt} holds 0.1.0's names of {len(saved_as)} tensors (such as "
+                f"{next(iter(saved_as.values()))!r}): loaded by today's; save again to write "
+                "them (0.1.0's are taken until 0.2.0)",
+                DeprecationWarning,
+                stacklevel=4,
+            )
         check_compatible(state, manifest, ckpt)
         saved = read_counters(manifest, counters.param_groups, state.rule, ckpt / MANIFEST)
-        if manifest.get("fingerprint") != fingerprint(state, counters.param_groups):
+        if manifest.get("fingerprint") != fingerprint(state, counters.param_groups, saved_as):
             raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the optimizer's")
         reads = plan_reads(state.layout.owned(state.shard_rank), manifest["files"])
         needed = {read[0] for read in reads}

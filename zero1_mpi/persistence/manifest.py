@@ -37,6 +37,7 @@ __all__ = [
     "resolve",
     "read_manifest",
     "check_compatible",
+    "with_todays_names",
     "fingerprint",
     "check_header",
     "check_checksum",
@@ -230,6 +231,25 @@ def _check_manifest_digest(ckpt: Path, actual: str, latest_digest: str | None) -
         )
 
 
+def with_todays_names(manifest: dict, old_names: dict) -> tuple[dict, dict]:
+    """``(manifest, saved_as)``: a manifest of an earlier release's tensor names (``old_names``:
+    theirs -> today's; 0.1.0's nnx names) with today's in their place, and today's name ->
+    the saved one; ``manifest`` as it is, and ``{}``, when it holds none of them."""
+    saved = [t["name"] for t in manifest.get("tensors", [])]
+    renamed = {n: old_names[n] for n in saved if old_names.get(n, n) != n}
+    if not renamed:
+        return manifest, {}
+    today = renamed.get
+    manifest = {
+        **manifest,
+        "tensors": [{**t, "name": today(t["name"], t["name"])} for t in manifest["tensors"]],
+        "param_groups": [
+            {**g, "names": [today(n, n) for n in g["names"]]} for g in manifest["param_groups"]
+        ],
+    }
+    return manifest, {new: old for old, new in renamed.items()}
+
+
 def check_compatible(state, manifest: dict, ckpt: Path) -> None:
     """The checkpoint must hold the same tensors, dtype, rule and rows as ``state``."""
     mine = [(t.name, list(t.shape)) for t in state.layout.tensors]
@@ -259,13 +279,15 @@ def check_compatible(state, manifest: dict, ckpt: Path) -> None:
         )
 
 
-def fingerprint(state, param_groups) -> str:
-    """What a checkpoint and an optimizer must share, independent of the world size."""
+def fingerprint(state, param_groups, saved_as: dict | None = None) -> str:
+    """What a checkpoint and an optimizer must share, independent of the world size;
+    ``saved_as``: the name a checkpoint holds for a tensor, where it is not today's."""
+    name = (saved_as or {}).get
     text = repr(
         (
-            [(t.name, t.shape) for t in state.layout.tensors],
+            [(name(t.name, t.name), t.shape) for t in state.layout.tensors],
             state.dtype.name,
-            [list(g["names"]) for g in param_groups],
+            [[name(n, n) for n in g["names"]] for g in param_groups],
         )
     )
     return hashlib.sha256(text.encode()).hexdigest()

@@ -37,6 +37,10 @@ class Persistence:
         self._snapshot: np.ndarray | None = None  # the host copy non-blocking saves write from
         self._on_signal: preemption.SignalCheckpoint | None = None
         self._asked = 0  # the signals this rank had received at the last poll
+        #: Tensor names of an earlier release that a checkpoint may hold instead of today's
+        #: (theirs -> today's): 0.1.0's nnx names, given by the JAX binding; loads take them
+        #: with a DeprecationWarning.
+        self.old_names: dict[str, str] = {}
 
     @property
     def snapshot_bytes(self) -> int:
@@ -71,7 +75,7 @@ class Persistence:
         self._state.wait()
         if self._pending is not None and not self._pending.done:
             self.finish_save()  # (one a step finished and that failed: the next save raises)
-        return checkpoint.load(self._comm, self._state, self._counters, path)
+        return checkpoint.load(self._comm, self._state, self._counters, path, self.old_names)
 
     def save_consolidated(self, path):
         """``ShardedOptimizer.save_consolidated``."""
