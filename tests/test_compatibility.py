@@ -119,9 +119,12 @@ OLD_NAMES = {
 }
 
 
-def _fresh_import(module: str):
-    """``module`` imported anew (its earlier import forgotten), and the warnings it gave."""
-    sys.modules.pop(module, None)
+def _fresh_import(module: str, moved: bool):
+    """``module`` imported, anew where it is a ``moved`` one (an alias: its objects are the new
+    modules'; a real module imported twice would make second copies of its classes), and the
+    warnings the import gave."""
+    if moved:
+        sys.modules.pop(module, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         imported = importlib.import_module(module)
@@ -136,8 +139,8 @@ def test_every_module_path_of_0_1_0_imports(module):
         pytest.importorskip(framework[module])
     from zero1_mpi.moved import MOVED
     path = f"zero1_mpi.{module}"
-    imported, warned = _fresh_import(path)
     moved = path in MOVED and not MOVED[path][0].startswith(path + ".")
+    imported, warned = _fresh_import(path, moved)
     assert len(warned) == moved, [str(w.message) for w in warned]
     if moved:  # the message names the new homes, and the module holds their public names
         homes = MOVED[path]
@@ -205,7 +208,9 @@ def _resolves(path: str) -> bool:
             return False  # 0.1.0's path of a moved module
         try:
             value = importlib.import_module(module)
-        except ImportError:
+        except ImportError as exc:
+            if exc.name and not exc.name.startswith("zero1_mpi"):
+                return True  # a binding whose framework is not installed here: CI has it
             continue
         except DeprecationWarning:  # below a moved module
             return False
