@@ -169,6 +169,17 @@ def test_a_name_from_an_old_path_is_the_new_object_with_a_warning(old):
 
 
 @pytest.mark.mpi_independent
+def test_the_warning_points_at_the_line_that_imports():
+    sys.modules.pop("zero1_mpi.export", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import zero1_mpi.export  # noqa: F401
+        from zero1_mpi.step import StepPipeline  # noqa: F401
+    found = [(w.filename, w.lineno) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(found) >= 2 and {f for f, _ in found} == {__file__}, found
+
+
+@pytest.mark.mpi_independent
 def test_an_unknown_name_of_an_old_package_path_is_an_attribute_error():
     import zero1_mpi.state
     with pytest.raises(ImportError, match="nothing_of_0_1_0"):

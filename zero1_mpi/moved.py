@@ -80,7 +80,9 @@ class _OldPath(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds 0.1.0's module paths and loads each as a module of its new homes' names."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MOVED or _is_package(fullname):
+        # (asked last, after the path finders: the old paths that are packages now, which
+        # they find, never reach it)
+        if fullname not in MOVED:
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
@@ -95,11 +97,6 @@ class _OldPath(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         pass
-
-
-def _is_package(fullname: str) -> bool:
-    """Whether ``fullname`` is one of the packages that took an old module's name."""
-    return MOVED[fullname][0].startswith(fullname + ".")
 
 
 def old_names(package: str):
