@@ -356,6 +356,11 @@ def test_a_group_that_selects_no_leaf_is_refused_naming_it_and_the_leaves():
             ZeroOptimizer(tree, "adamw", MPI.COMM_SELF, groups=[
                 {"params": lambda name, leaf: leaf.ndim == 2, "lr": 1e-3},
                 {"params": selector, "weight_decay": 0.0}])
+    for n, more in ((6, ""), (7, " ...")):  # the first 6 names shown, and whether there are more
+        tree = {f"w{i}": np.ones(2, np.float32) for i in range(n)}
+        shown = [f"w{i}" for i in range(6)]
+        with pytest.raises(ValueError, match=re_escape(f"named like {shown}{more} (leaf_names")):
+            ZeroOptimizer(tree, "sgd", MPI.COMM_SELF, groups=[{"params": []}])
 
 
 def test_selectors_and_masks_of_0_1_0_names_work_with_a_warning():
