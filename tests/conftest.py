@@ -8,8 +8,9 @@ skips them.
 
 Where ``ZERO1_FRAMEWORK_SKIPS=FILE`` is set, the session writes to FILE (one node id a line)
 every test and test module it skipped for a missing framework (torch, JAX, flax, optax,
-transformers, accelerate, Sphinx), and ``FRAMEWORK_BRANCHES``: CI runs the README's test command
-without them first, as a new user would, then these again with the frameworks installed.
+transformers, accelerate, Sphinx, tqdm), and the tests marked ``framework_branch`` (they pass
+without them and check more with them): CI runs the README's test command without them first,
+as a new user would, then these again with the frameworks installed.
 """
 
 import os
@@ -60,10 +61,10 @@ def warm_numba_cache():
     subprocess.run([sys.executable, "-c", WARM_UP], cwd=ROOT, capture_output=True, timeout=300)
 
 
-#: The packages whose absence a test may skip for (matched in the skip's reason).
-FRAMEWORKS = ("torch", "jax", "flax", "optax", "transformers", "accelerate", "sphinx", "myst")
-#: Tests that run without the frameworks but take another branch with them.
-FRAMEWORK_BRANCHES = ["tests/test_bench_tool.py::test_kernels_against_their_reference"]
+#: The packages whose absence a test may skip for (matched in the skip's reason); tqdm comes
+#: with transformers.
+FRAMEWORKS = ("torch", "jax", "flax", "optax", "transformers", "accelerate", "sphinx", "myst",
+              "tqdm")
 _FRAMEWORK_SKIPS: list[str] = []
 
 
@@ -85,16 +86,21 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     path = os.environ.get("ZERO1_FRAMEWORK_SKIPS")
     if path:
-        ids = dict.fromkeys(_FRAMEWORK_SKIPS + FRAMEWORK_BRANCHES)
+        ids = dict.fromkeys(_FRAMEWORK_SKIPS)
         Path(path).write_text("".join(f"{nodeid}\n" for nodeid in ids))
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "framework_branch: passes without torch, JAX, "
+                            "transformers or Sphinx but checks more with them: CI runs it "
+                            "again once they are installed (ZERO1_FRAMEWORK_SKIPS)")
     config.addinivalue_line("markers", "mpi_independent: the same under every MPI; CI runs it "
                             "in its first pass only (ZERO1_SKIP_MPI_INDEPENDENT=1 skips it)")
 
 
 def pytest_collection_modifyitems(config, items):
+    # a test that passes without the frameworks but takes another branch with them: again
+    _FRAMEWORK_SKIPS.extend(i.nodeid for i in items if i.get_closest_marker("framework_branch"))
     if os.environ.get("ZERO1_SKIP_MPI_INDEPENDENT") != "1":
         return
     skip = pytest.mark.skip(reason="MPI-independent: run in another MPI's pass "

@@ -75,6 +75,7 @@ class OneRank:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("name", list(REFERENCES))
+@pytest.mark.framework_branch  # (conftest.py)
 def test_kernels_against_their_reference(bench, name, dtype):
     from benchmarks import step, step_report
     choice = step.optimizer_choice(name)

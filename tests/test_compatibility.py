@@ -193,6 +193,7 @@ def test_an_unknown_name_of_an_old_package_path_is_an_attribute_error():
 
 
 @pytest.mark.mpi_independent
+@pytest.mark.framework_branch  # (conftest.py)
 def test_the_docs_and_changelog_cite_only_paths_that_import_without_a_warning():
     """Every ``zero1_mpi.x.y`` the README, docs/ and CHANGELOG cite is a module or a module's
     attribute of today's layout (no old path, no DeprecationWarning), but in the paragraphs

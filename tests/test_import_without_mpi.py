@@ -30,6 +30,7 @@ def test_import_starts_no_mpi():
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr
 
 
+@pytest.mark.framework_branch  # (conftest.py)
 def test_without_an_mpi_library_what_needs_none_works():
     code = """
 import importlib.util, pkgutil, sys, zero1_mpi

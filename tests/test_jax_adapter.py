@@ -397,12 +397,12 @@ def test_selectors_and_masks_of_0_1_0_names_work_with_a_warning():
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_flax_nnx_checkpoint_of_0_1_0_loads_bit_for_bit(n):
     """tests/cases/kept_nnx_checkpoint.py on tests/data/nnx-checkpoint-0.1.0 (written by
-    0.1.0, its names ending in ``/value``): the saved parameters, and on 2 ranks the next step
-    bitwise 0.1.0's."""
+    0.1.0, its names ending in ``/value``): the sharded checkpoint and the consolidated export
+    give the saved parameters, and on 2 ranks the next step bitwise 0.1.0's."""
     needs_flax()
     out = run_mpi(n, "kept_nnx_checkpoint.py", "check",
                   str(ROOT / "tests" / "data" / "nnx-checkpoint-0.1.0"), timeout=240).stdout
-    assert f"OK 0.1.0's nnx checkpoint loaded on {n} ranks" in out, out
+    assert f"OK 0.1.0's nnx checkpoint and export loaded on {n} ranks" in out, out
 
 
 def test_flax_nnx_state_names_drop_the_variables_value():

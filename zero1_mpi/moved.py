@@ -14,11 +14,12 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 import warnings
 
-__all__ = ["MOVED", "REMOVED_IN", "install", "old_names"]
+__all__ = ["MOVED", "REMOVED_IN", "install", "old_names", "warn_deprecated"]
 
 #: The version that drops these paths.
 REMOVED_IN = "0.2.0"
@@ -68,12 +69,33 @@ MOVED: dict[str, tuple[str, ...]] = {
 }
 
 
+def warn_deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the first caller outside zero1_mpi (the user's
+    line, which Python's default filters show when it is ``__main__``'s; import machinery
+    frames are passed over, as ``warnings`` passes over them)."""
+    frame: types.FrameType | None = sys._getframe(0)
+    level = 1
+    while frame is not None and (_internal(frame) or _ours(frame)):
+        frame = frame.f_back
+        if frame is not None and not _internal(frame):
+            level += 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+def _ours(frame) -> bool:
+    return frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+def _internal(frame) -> bool:  # as warnings' own test of an import machinery frame
+    name = frame.f_code.co_filename
+    return "importlib" in name and "_bootstrap" in name
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _warn(what: str, homes: str) -> None:
-    warnings.warn(
-        f"{what} is 0.1.0's path, kept until {REMOVED_IN}: import it from {homes}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+    warn_deprecated(f"{what} is 0.1.0's path, kept until {REMOVED_IN}: import it from {homes}")
 
 
 class _OldPath(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -391,7 +391,8 @@ def _refusal(args, model, rest, kwargs, zero_options) -> str | None:
 
 
 def check_import_order() -> None:
-    """An ImportError if torch.distributed was started before this module was imported (and
+    """A RuntimeError (not an ImportError, which optional-dependency guards would take for
+    "not installed") if torch.distributed was started before this module was imported (and
     torchrun did not launch this process): a ``TrainingArguments(...)`` built before the
     import, under ``mpiexec`` with ``MASTER_ADDR`` set, starts it for accelerate, and without
     ``MASTER_ADDR`` fails there with torch's "MASTER_ADDR expected" before zero1_mpi runs."""
@@ -399,7 +400,7 @@ def check_import_order() -> None:
 
     if "LOCAL_RANK" in os.environ or not (dist.is_available() and dist.is_initialized()):
         return
-    raise ImportError(
+    raise RuntimeError(
         "zero1_mpi.transformers was imported after torch.distributed had started (a "
         "TrainingArguments(...) built before this import starts it under mpiexec): import "
         "zero1_mpi.transformers before building TrainingArguments (the same order avoids "

@@ -6,12 +6,14 @@ bit (tests/data/nnx-checkpoint-0.1.0).
 
 ``write`` (run once, by 0.1.0) trains AdamW on an nnx model's ``nnx.Param`` State for 3 steps
 on 2 ranks, the biases in a group without weight decay chosen by 0.1.0's names
-(``name.endswith("bias/value")``), saves a sharded checkpoint under ``DIR``, writes the
+(``name.endswith("bias/value")``), saves a sharded checkpoint under ``DIR`` and the
+consolidated export ``DIR/export.safetensors``, writes the
 parameters (``DIR/params.npz``), takes one more step and writes them again
 (``DIR/next.npz``; leaves by their index in the tree, as the names changed). ``check`` builds
 the same optimizer with the same selector (0.1.0's names: taken with a DeprecationWarning),
-loads the checkpoint (0.1.0's names: taken with a DeprecationWarning): the parameters are the
-saved ones bit for bit, and on 2 ranks the next step is bitwise the one 0.1.0 took. Only the
+loads the checkpoint, and into another the export (0.1.0's names: taken with a
+DeprecationWarning): the parameters are the saved ones bit for bit, and on 2 ranks the next
+step is bitwise the one 0.1.0 took. Only the
 public interface is used, so that any release runs ``write``.
 """
 
@@ -72,6 +74,7 @@ def write(directory: Path):
     for index in range(3):
         step(opt, index)
     opt.save(directory)
+    opt.save_consolidated(directory / "export.safetensors")
     if rank == 0:
         np.savez(directory / "params.npz", **leaves_of(opt))
     step(opt, 3)
@@ -81,26 +84,31 @@ def write(directory: Path):
 
 
 def check(directory: Path):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt = build()
-        opt.load(directory)
-    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    if not (any(m.startswith("groups[0]['params'] uses 0.1.0's") for m in messages)
-            and any("holds 0.1.0's names of 4 tensors" in m for m in messages)):
-        raise AssertionError(f"rank {rank}: 0.1.0's names taken without a warning: {messages}")
-    saved = np.load(directory / "params.npz")
-    for key, value in leaves_of(opt).items():
-        if value.tobytes() != saved[key].tobytes():
-            raise AssertionError(f"rank {rank}: leaf {key} differs from the saved parameters")
-    if size == WRITER_RANKS:  # the saving world size: the next step bit for bit
-        step(opt, 3)
-        after = np.load(directory / "next.npz")
+    for way, load in (("checkpoint", lambda o: o.load(directory)),
+                      ("export", lambda o: o.load_consolidated(directory / "export.safetensors"))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = build()
+            load(opt)
+        messages = [str(w.message) for w in caught
+                    if issubclass(w.category, DeprecationWarning)]
+        if not (any(m.startswith("groups[0]['params'] uses 0.1.0's") for m in messages)
+                and any("holds 0.1.0's names of" in m for m in messages)):
+            raise AssertionError(f"rank {rank}: {way}: 0.1.0's names taken without a "
+                                 f"warning: {messages}")
+        saved = np.load(directory / "params.npz")
         for key, value in leaves_of(opt).items():
-            if value.tobytes() != after[key].tobytes():
-                raise AssertionError(f"rank {rank}: leaf {key} after the next step differs")
+            if value.tobytes() != saved[key].tobytes():
+                raise AssertionError(f"rank {rank}: {way}: leaf {key} differs from the saved")
+        if size == WRITER_RANKS:  # the saving world size: the next step bit for bit
+            step(opt, 3)
+            after = np.load(directory / "next.npz")
+            for key, value in leaves_of(opt).items():
+                if value.tobytes() != after[key].tobytes():
+                    raise AssertionError(f"rank {rank}: {way}: leaf {key} after the next step")
+        opt.close()
     if rank == 0:
-        print(f"OK 0.1.0's nnx checkpoint loaded on {size} ranks")
+        print(f"OK 0.1.0's nnx checkpoint and export loaded on {size} ranks")
 
 
 if __name__ == "__main__":

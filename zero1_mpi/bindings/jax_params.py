@@ -13,13 +13,13 @@ leaf, the group or the option, which the caller raises on every rank. Imports JA
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..kernels.backend import BFLOAT16
+from ..moved import warn_deprecated
 from .optax_names import spell
 from .schedules import is_schedule
 
@@ -95,11 +95,9 @@ def old_leaf_names(tree) -> list[str]:
 
 def warn_old_names(what: str) -> None:
     """The ``DeprecationWarning`` for 0.1.0's leaf names found in ``what``."""
-    warnings.warn(
+    warn_deprecated(
         f"{what} uses 0.1.0's leaf names (an nnx Variable's ending in '/value'), taken until "
-        "0.2.0: name leaves as leaf_names() does now ('lin/kernel', as nnx.to_pure_dict)",
-        DeprecationWarning,
-        stacklevel=4,
+        "0.2.0: name leaves as leaf_names() does now ('lin/kernel', as nnx.to_pure_dict)"
     )
 
 

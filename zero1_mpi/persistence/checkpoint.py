@@ -19,7 +19,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import cast
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from ..flat.inputs import group_record
 from ..kernels.backend import to_numpy
+from ..moved import warn_deprecated
 from .manifest import (
     FORMAT,
     LATEST,
@@ -330,12 +330,10 @@ def load(comm, state, counters, path, old_names: dict | None = None) -> Path:
         ckpt, latest_digest = resolve(Path(path))
         manifest, saved_as = with_todays_names(read_manifest(ckpt, latest_digest), old_names or {})
         if saved_as:
-            warnings.warn(
+            warn_deprecated(
                 f"the checkpoint {ckpt} holds 0.1.0's names of {len(saved_as)} tensors (such as "
                 f"{next(iter(saved_as.values()))!r}): loaded by today's; save again to write "
-                "them (0.1.0's are taken until 0.2.0)",
-                DeprecationWarning,
-                stacklevel=4,
+                "them (0.1.0's are taken until 0.2.0)"
             )
         check_compatible(state, manifest, ckpt)
         saved = read_counters(manifest, counters.param_groups, state.rule, ckpt / MANIFEST)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..flat.inputs import group_record
 from ..kernels.backend import to_numpy
+from ..moved import warn_deprecated
 from .checkpoint import CHUNK
 from .manifest import CheckpointError, check_rule, read_counters
 
@@ -92,13 +93,13 @@ def save_consolidated(comm, state, counters, path) -> Path:
     return file
 
 
-def load_consolidated(comm, state, counters, path) -> Path:
+def load_consolidated(comm, state, counters, path, old_names: dict | None = None) -> Path:
     """Load a file written by ``save_consolidated`` (at any world size) into ``state`` and
-    ``counters``."""
+    ``counters``; ``old_names``: as ``checkpoint.load``'s."""
     file = Path(path)
     error = None  # the try binds entries, data_start and saved, or agree() raises on every rank
     try:
-        entries, data_start, metadata = _read_header(state, file)
+        entries, data_start, metadata = _read_header(state, file, old_names or {})
         saved = read_counters(
             {
                 "step": _int(metadata.get("step")),
@@ -180,9 +181,35 @@ def _header(state, counters) -> bytes:
     return text + b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
 
 
-def _read_header(state, file: Path):
+def _with_todays_names(header: dict, old_names: dict, file: Path) -> dict:
+    """``header`` with the entries (``kind/name``) and the param groups' names of an earlier
+    release's tensor names (``old_names``: theirs -> today's) given today's; as it is when it
+    holds none."""
+    today = {}
+    for key, info in header.items():
+        kind, _, name = key.partition("/")
+        today[f"{kind}/{old_names[name]}" if old_names.get(name, name) != name else key] = info
+    if list(today) == list(header):
+        return header
+    metadata = dict(header.get("__metadata__", {}))
+    if "param_groups" in metadata:
+        groups = json.loads(metadata["param_groups"])
+        for group in groups:
+            group["names"] = [old_names.get(n, n) for n in group.get("names", [])]
+        metadata["param_groups"] = json.dumps(groups)
+    today["__metadata__"] = metadata
+    warn_deprecated(
+        f"{file} holds 0.1.0's names of tensors (such as "
+        f"{next(n for n in old_names if any(k.endswith('/' + n) for k in header))!r}): loaded "
+        "by today's; save again to write them (0.1.0's are taken until 0.2.0)"
+    )
+    return today
+
+
+def _read_header(state, file: Path, old_names: dict):
     """``({key: (begin, end)}, first data byte, metadata)`` after checking everything: the
-    rows every file holds, and ``param`` where the file has it for every tensor."""
+    rows every file holds, and ``param`` where the file has it for every tensor; an earlier
+    release's tensor names (``old_names``) read as today's, with a warning."""
     if not file.is_file():
         raise CheckpointError(f"{file} is missing")
     size = file.stat().st_size
@@ -200,6 +227,7 @@ def _read_header(state, file: Path):
             header = json.loads(f.read(length))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{file}: its header is not JSON: {exc}") from None
+    header = _with_todays_names(header, old_names, file)
     metadata = header.get("__metadata__", {})
     if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
         raise CheckpointError(

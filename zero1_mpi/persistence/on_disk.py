@@ -85,7 +85,9 @@ class Persistence:
     def load_consolidated(self, path):
         """``ShardedOptimizer.load_consolidated``."""
         self._state.wait()
-        return export.load_consolidated(self._comm, self._state, self._counters, path)
+        return export.load_consolidated(
+            self._comm, self._state, self._counters, path, self.old_names
+        )
 
     def checkpoint_on_signal(
         self, path, signals=(signal.SIGTERM,), keep: int | None = None

@@ -134,6 +134,8 @@ class StepPipeline:
         factor = self._clip_coef(grad_norm) / (self.comm.size * scale)
         layout, topology = self.state.layout, self.state.topology
         flat = zeros(xp_of(reduced[0]), layout.total, np.float32)
+        self.watch.arm(self.counters.step + 1, "gather")  # (agreeing may have disarmed it)
+        self.watch.phase = "gather"
         for bucket, shard in zip(layout.buckets, reduced):
             whole = flat[bucket.offset : bucket.offset + bucket.size]
             lo = topology.shard_rank * bucket.shard_size
