@@ -74,8 +74,8 @@ MANIFEST_KEYS = {
     )
 }
 FILE_KEYS = frozenset({"file", "bytes", "sha256", "ranges"})
-NAME_PATTERN = re.compile(r"^ckpt-\d{8,}-\d+$")
-_SHARD = re.compile(r"^shard-\d{5,}\.npy$")
+NAME_PATTERN = re.compile(r"^ckpt-\d{8,}-\d+\Z")  # (\Z: $ would take a trailing newline)
+_SHARD = re.compile(r"^shard-\d{5,}\.npy\Z")
 _LATEST = re.compile(r"^(ckpt-\d{8,}-\d+)\n([0-9a-f]{64})\n\Z")  # version 2
 _LATEST_V1 = re.compile(r"^(ckpt-\d{8,}-\d+)\Z")
 
