@@ -207,8 +207,8 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         """``{name: tensor}`` on every rank: the step's gradients as the coming ``step()`` will
         take them (the mean over the ranks, unscaled, clipped), as DDP's ``.grad`` holds them
         after ``clip_grad_norm_``; for gradient logging. ``.grad`` does not hold them (before
-        the reduction it is this rank's own gradient; after it, the reduced shard this rank
-        owns and stale values elsewhere; docs/pytorch.md). All ranks, after the step's last
+        the reduction it is this rank's own gradient; after it, the reduction's scratch;
+        docs/pytorch.md). All ranks, after the step's last
         backward: reduces now, as ``clip_grad_norm_``, and all-gathers (float32 tensors).
         ``problem``: as ``step``'s."""
         found = self._sync_problem()  # (.grad put back, param_groups pushed: always)

@@ -64,13 +64,13 @@ def core_inputs(params, cls, groups, mask, options: dict) -> CoreInputs:
     leaves, treedef = jax.tree_util.tree_flatten(params)
     names = leaf_names(params)
     arrays = _host_params(names, leaves)
-    old = dict(zip(old_leaf_names(params), names))  # 0.1.0's name -> today's
+    # 0.1.0's name -> today's, where they differ (an nnx Variable's)
+    old = {o: n for o, n in zip(old_leaf_names(params), names) if o != n}
     options, groups = _spelled(cls, options, groups, mask is not None)
     exempt = _masked_out(mask, params, names, old)
     grouped = _grouped(arrays, groups, _itemsize(arrays, options), exempt, old)
     options, schedules = _scheduled(grouped, options)
-    changed = {o: n for o, n in old.items() if o != n}
-    return CoreInputs(names, treedef, grouped, options, schedules, changed)
+    return CoreInputs(names, treedef, grouped, options, schedules, old)
 
 
 def is_tracer(value) -> bool:
@@ -242,7 +242,7 @@ def _masked_out(mask, params, names: list[str], old: Mapping[str, str]) -> set[s
                 f"mask[{name!r}] is {value!r}: a mask's leaves must be True (weight decay "
                 "applies) or False (none)"
             )
-        if name not in names and name in old and old[name] != name:
+        if name in old and name not in names:
             warn_old_names(f"mask[{name!r}]")
             name = old[name]
         if name in given:
@@ -390,7 +390,7 @@ def _selects(selector, index: int, arrays: dict, old: Mapping[str, str]):
         return selector
     else:
         today = {n: o for o, n in old.items()}
-        if any(selector(today[n], a) for n, a in arrays.items() if today.get(n, n) != n):
+        if any(selector(today[n], a) for n, a in arrays.items() if n in today):
             warn_old_names(where)
             return lambda name, leaf: selector(today.get(name, name), leaf)
     first = list(arrays)[:6]

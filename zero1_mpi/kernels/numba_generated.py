@@ -317,9 +317,7 @@ def _first_on_this_machine(path: Path) -> bool:
     ranks that start together, the one that creates its marker (``.announced``) first."""
     try:
         os.close(os.open(path.with_suffix(".announced"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    except OSError:  # (cache_dir checked that it can be written)
+    except OSError:  # there already (FileExistsError), or not writable: nothing to say
         return False
     return True
 

@@ -26,7 +26,6 @@ import numpy as np
 
 from ..flat.inputs import group_record
 from ..kernels.backend import to_numpy
-from ..moved import warn_deprecated
 from .manifest import (
     FORMAT,
     LATEST,
@@ -328,13 +327,9 @@ def load(comm, state, counters, path, old_names: dict | None = None) -> Path:
     error = None  # the try binds ckpt, reads and saved, or agree() raises on every rank
     try:
         ckpt, latest_digest = resolve(Path(path))
-        manifest, saved_as = with_todays_names(read_manifest(ckpt, latest_digest), old_names or {})
-        if saved_as:
-            warn_deprecated(
-                f"the checkpoint {ckpt} holds 0.1.0's names of {len(saved_as)} tensors (such as "
-                f"{next(iter(saved_as.values()))!r}): loaded by today's; save again to write "
-                "them (0.1.0's are taken until 0.2.0)"
-            )
+        manifest, saved_as = with_todays_names(
+            read_manifest(ckpt, latest_digest), old_names or {}, ckpt
+        )
         check_compatible(state, manifest, ckpt)
         saved = read_counters(manifest, counters.param_groups, state.rule, ckpt / MANIFEST)
         if manifest.get("fingerprint") != fingerprint(state, counters.param_groups, saved_as):

@@ -23,9 +23,8 @@ import numpy as np
 
 from ..flat.inputs import group_record
 from ..kernels.backend import to_numpy
-from ..moved import warn_deprecated
 from .checkpoint import CHUNK
-from .manifest import CheckpointError, check_rule, read_counters
+from .manifest import CheckpointError, check_rule, read_counters, todays_groups, warn_old_names
 
 __all__ = ["save_consolidated", "load_consolidated"]
 
@@ -185,24 +184,21 @@ def _with_todays_names(header: dict, old_names: dict, file: Path) -> dict:
     """``header`` with the entries (``kind/name``) and the param groups' names of an earlier
     release's tensor names (``old_names``: theirs -> today's) given today's; as it is when it
     holds none."""
-    today = {}
+    today, renamed = {}, {}
     for key, info in header.items():
         kind, _, name = key.partition("/")
-        today[f"{kind}/{old_names[name]}" if old_names.get(name, name) != name else key] = info
-    if list(today) == list(header):
+        if name in old_names:
+            renamed[name] = old_names[name]
+            key = f"{kind}/{old_names[name]}"
+        today[key] = info
+    if not renamed:
         return header
     metadata = dict(header.get("__metadata__", {}))
     if "param_groups" in metadata:
-        groups = json.loads(metadata["param_groups"])
-        for group in groups:
-            group["names"] = [old_names.get(n, n) for n in group.get("names", [])]
+        groups = todays_groups(json.loads(metadata["param_groups"]), renamed)
         metadata["param_groups"] = json.dumps(groups)
     today["__metadata__"] = metadata
-    warn_deprecated(
-        f"{file} holds 0.1.0's names of tensors (such as "
-        f"{next(n for n in old_names if any(k.endswith('/' + n) for k in header))!r}): loaded "
-        "by today's; save again to write them (0.1.0's are taken until 0.2.0)"
-    )
+    warn_old_names(file, renamed)
     return today
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..flat.inputs import restore_options
+from ..moved import warn_deprecated
 from ..scaler import LossScaler
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "read_manifest",
     "check_compatible",
     "with_todays_names",
+    "todays_groups",
+    "warn_old_names",
     "fingerprint",
     "check_header",
     "check_checksum",
@@ -231,23 +234,37 @@ def _check_manifest_digest(ckpt: Path, actual: str, latest_digest: str | None) -
         )
 
 
-def with_todays_names(manifest: dict, old_names: dict) -> tuple[dict, dict]:
+def with_todays_names(manifest: dict, old_names: dict, ckpt: Path) -> tuple[dict, dict]:
     """``(manifest, saved_as)``: a manifest of an earlier release's tensor names (``old_names``:
     theirs -> today's; 0.1.0's nnx names) with today's in their place, and today's name ->
     the saved one; ``manifest`` as it is, and ``{}``, when it holds none of them."""
-    saved = [t["name"] for t in manifest.get("tensors", [])]
-    renamed = {n: old_names[n] for n in saved if old_names.get(n, n) != n}
+    saved = (t["name"] for t in manifest.get("tensors", []))
+    renamed = {n: old_names[n] for n in saved if n in old_names}
     if not renamed:
         return manifest, {}
-    today = renamed.get
+    warn_old_names(ckpt, renamed)
     manifest = {
         **manifest,
-        "tensors": [{**t, "name": today(t["name"], t["name"])} for t in manifest["tensors"]],
-        "param_groups": [
-            {**g, "names": [today(n, n) for n in g["names"]]} for g in manifest["param_groups"]
-        ],
+        "tensors": [{**t, "name": renamed.get(t["name"], t["name"])} for t in manifest["tensors"]],
+        "param_groups": todays_groups(manifest["param_groups"], renamed),
     }
     return manifest, {new: old for old, new in renamed.items()}
+
+
+def todays_groups(groups: list, renamed: dict) -> list:
+    """Saved param-group records with their tensors' ``names`` given today's (``renamed``:
+    saved -> today's)."""
+    return [{**g, "names": [renamed.get(n, n) for n in g.get("names", [])]} for g in groups]
+
+
+def warn_old_names(where, renamed: dict) -> None:
+    """The ``DeprecationWarning`` of a checkpoint or export ``where`` that holds an earlier
+    release's tensor names (``renamed``: saved -> today's), loaded by today's."""
+    warn_deprecated(
+        f"{where} holds 0.1.0's names of {len(renamed)} tensors (such as "
+        f"{next(iter(renamed))!r}): loaded by today's; save again to write them (0.1.0's are "
+        "taken until 0.2.0)"
+    )
 
 
 def check_compatible(state, manifest: dict, ckpt: Path) -> None:

@@ -63,7 +63,7 @@ class StepPipeline:
         agreed_at = clock()
 
         scale = counters.scaler.scale
-        grad_norm = math.sqrt(agreed.sum_sq) / (comm.size * scale)
+        grad_norm = self._grad_norm(agreed)
         if not math.isfinite(grad_norm):
             self._discard()
             if counters.scaler.at_minimum:
@@ -121,7 +121,7 @@ class StepPipeline:
         agreed = self._reduce_and_agree(problem)[1]
         if max_norm is not None:
             self._clip_to = float(max_norm)
-        return math.sqrt(agreed.sum_sq) / (self.comm.size * self.counters.scaler.scale)
+        return self._grad_norm(agreed)
 
     def reduced_grads(self, problem: str | None = None) -> dict:
         """``ShardedOptimizer.reduced_grads``: the step's reduction and agreement now (as
@@ -129,9 +129,8 @@ class StepPipeline:
         unscaled, clipped) and all-gathered over the shard group into a new fp32 buffer;
         ``{name: view}`` of it. Armed on the watchdog by the caller."""
         reduced, agreed = self._reduce_and_agree(problem)[:2]
-        scale = self.counters.scaler.scale
-        grad_norm = math.sqrt(agreed.sum_sq) / (self.comm.size * scale)
-        factor = self._clip_coef(grad_norm) / (self.comm.size * scale)
+        scale = self.comm.size * self.counters.scaler.scale
+        factor = self._clip_coef(self._grad_norm(agreed)) / scale
         layout, topology = self.state.layout, self.state.topology
         flat = zeros(xp_of(reduced[0]), layout.total, np.float32)
         self.watch.arm(self.counters.step + 1, "gather")  # (agreeing may have disarmed it)
@@ -189,6 +188,10 @@ class StepPipeline:
             self.persistence.agreed(agreed)
         self._raise_disagreement(agreed, problem)
         return self._reduced, agreed, started, reduced_at
+
+    def _grad_norm(self, agreed: Agreement) -> float:
+        """The global norm of the averaged, unscaled gradient (inf or nan on overflow)."""
+        return math.sqrt(agreed.sum_sq) / (self.comm.size * self.counters.scaler.scale)
 
     def _clip_coef(self, grad_norm: float) -> float:
         """The step's clipping coefficient for ``grad_norm``: by ``max_grad_norm`` and by
