@@ -9,6 +9,7 @@ the order of the sums over ranks); labels come from a fixed random "teacher" net
 loss falls from ln(10) = 2.30 (the output layer starts at zero) to about 0.6 in 200 steps.
 
     mpiexec -n 4 python -m mpi4py examples/train_mlp.py --dtype bfloat16  # or float16
+    mpiexec -n 4 python -m mpi4py examples/train_mlp.py --stage 3         # parameters sharded
     mpiexec -n 4 python -m mpi4py examples/train_mlp.py --backend cupy    # one GPU per rank
     sbatch examples/slurm.sbatch                                          # Slurm + srun
     mpiexec -n 4 python -m mpi4py examples/train_mlp.py --plot loss.png   # needs matplotlib
@@ -23,6 +24,9 @@ saves a checkpoint after the current step and ends the run cleanly (``checkpoint
 ``python -m mpi4py`` aborts the whole job when one rank raises (otherwise MPICH hangs). With
 ``--dtype float16/bfloat16`` the parameters and gradients are 16-bit: the math below runs in
 float32 on an fp32 copy of the params and the grads are rounded into ``opt.grads``.
+``--stage 2`` shards the gradients too, ``--stage 3`` the parameters as well (docs/stage3.md):
+each layer is a unit, read inside ``with opt.gathered("layer2") as p:`` and its gradients handed
+over with ``add_grad`` in its backward block; all three stages give the same losses.
 The last line, ``final: first_loss=... last_loss=...``, is meant to be checked by a script.
 Progress (``zero1_mpi.progress``): a tqdm bar when tqdm is installed and stdout is a terminal,
 else a line every ``--log-every`` steps (always under mpiexec; ``ZERO1_PROGRESS=plain`` forces it).
@@ -52,6 +56,8 @@ parser.add_argument("--batch", type=int, default=256,
                     help="examples per step, over all ranks (each takes batch/N of them)")
 parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--backend", default="numpy", choices=["numpy", "cupy"])
+parser.add_argument("--stage", type=int, default=1, choices=[1, 2, 3],
+                    help="ZeRO stage: 1 (state sharded), 2 (gradients too), 3 (parameters too)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--log-every", type=int, default=20)
 parser.add_argument("--checkpoint", help="directory to save checkpoints in and resume from")
@@ -110,24 +116,34 @@ def init_mlp(rng, sizes):
     return params
 
 
-def forward_backward(p, x, y):
-    """Mean softmax cross-entropy of the 3-layer tanh MLP ``p`` on (x, y), and its gradients."""
-    h1 = xp.tanh(x @ p["w1"] + p["b1"])
-    h2 = xp.tanh(h1 @ p["w2"] + p["b2"])
-    logits = h2 @ p["w3"] + p["b3"]
+def f32(array):
+    return array.astype(xp.float32, copy=False)
+
+
+def forward_backward(x, y, hand):
+    """Mean softmax cross-entropy of the 3-layer tanh MLP on (x, y); each layer's parameters
+    read inside its unit's block (``opt.gathered``), its gradients handed to ``hand(name, g)``
+    in the backward's block of the layer."""
+    acts = [x]
+    for i in (1, 2, 3):
+        with opt.gathered(f"layer{i}") as p:
+            z = acts[-1] @ f32(p[f"w{i}"]) + f32(p[f"b{i}"])
+        acts.append(xp.tanh(z) if i < 3 else z)
+    logits = acts[-1]
     logits -= logits.max(axis=1, keepdims=True)                        # stable softmax
     logprob = logits - xp.log(xp.exp(logits).sum(axis=1, keepdims=True))
     rows = xp.arange(len(y))
     loss = -logprob[rows, y].mean()
-    dlogits = xp.exp(logprob)                                          # softmax - onehot, / B
-    dlogits[rows, y] -= 1
-    dlogits /= len(y)
-    grads = {"w3": h2.T @ dlogits, "b3": dlogits.sum(axis=0)}
-    dz2 = (dlogits @ p["w3"].T) * (1 - h2 * h2)                        # tanh' = 1 - tanh^2
-    grads["w2"], grads["b2"] = h1.T @ dz2, dz2.sum(axis=0)
-    dz1 = (dz2 @ p["w2"].T) * (1 - h1 * h1)
-    grads["w1"], grads["b1"] = x.T @ dz1, dz1.sum(axis=0)
-    return loss, grads
+    dz = xp.exp(logprob)                                               # softmax - onehot, / B
+    dz[rows, y] -= 1
+    dz /= len(y)
+    for i in (3, 2, 1):
+        with opt.gathered(f"layer{i}") as p:
+            hand(f"w{i}", acts[i - 1].T @ dz)
+            hand(f"b{i}", dz.sum(axis=0))
+            if i > 1:                                                  # tanh' = 1 - tanh^2
+                dz = (dz @ f32(p[f"w{i}"]).T) * (1 - acts[i - 1] * acts[i - 1])
+    return loss
 
 
 # The teacher: a fixed random 64 -> 64 -> 10 tanh net, the same on every rank; labels = argmax.
@@ -149,11 +165,16 @@ init = init_mlp(np.random.default_rng(args.seed), sizes)
 init["w3"][...] = 0                      # zero output layer: the first loss is exactly ln(10)
 init = {k: xp.asarray(v) for k, v in init.items()}
 # fp16 needs loss scaling (small gradients underflow in 16 bits); clip the global norm at 1.
+# Each layer a unit (gathered together in stage 3); stage 2 hands the gradients over instead
+# of writing opt.grads, stage 3 too.
+units = {f"layer{i}": [f"w{i}", f"b{i}"] for i in range(1, len(sizes))}
+stages = {1: {}, 2: {"shard_gradients": True}, 3: {"shard_params": True}}
 opt = ZeroAdamW(init, comm, lr=args.lr, weight_decay=1e-2, param_dtype=args.dtype,
-                loss_scale="dynamic" if args.dtype == "float16" else None, max_grad_norm=1.0)
+                loss_scale="dynamic" if args.dtype == "float16" else None, max_grad_norm=1.0,
+                units=units, **stages[args.stage])
 psi = opt.layout.numel
 collectives = "persistent" if opt.comm.persistent else "nonblocking"
-print0(f"train_mlp: world_size={size} psi={psi} dtype={opt.param_dtype.name} "
+print0(f"train_mlp: world_size={size} stage={args.stage} psi={psi} dtype={opt.param_dtype.name} "
        f"backend={opt.backend} kernels={opt.kernel} mlp={'-'.join(map(str, sizes))} batch={args.batch} "
        f"({per_rank} per rank) steps={args.steps} lr={args.lr} "
        f"collectives={collectives} ({opt.comm.persistent_source})")
@@ -186,12 +207,15 @@ for step in range(start, args.steps):
         print(f"crash: rank {rank} kills itself at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     x, y = get_batch(step)
-    params = {k: v.astype(xp.float32, copy=False) for k, v in opt.params.items()}
-    loss, grads = forward_backward(params, x, y)
     opt.zero_grad()
-    for name, g in grads.items():
-        # d(loss * scale) = scale * d(loss): scaling here is scaling the loss before backward
-        opt.grads[name][...] = g * opt.loss_scale  # rounds to the 16-bit grad dtype
+    # d(loss * scale) = scale * d(loss): scaling here is scaling the loss before backward
+    if args.stage == 1:
+        def hand(name, g):
+            opt.grads[name][...] = g * opt.loss_scale  # rounds to the 16-bit grad dtype
+    else:
+        def hand(name, g):
+            opt.add_grad(name, g * opt.loss_scale)     # reduced as its layer's bucket fills
+    loss = forward_backward(x, y, hand)
     info = opt.step()                            # average grads, sharded AdamW, all-gather
     skipped += info.skipped                      # overflowed fp16 steps (the scale backs off)
     losses.append(comm.allreduce(float(loss)) / size)   # mean over ranks, for the log

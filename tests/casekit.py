@@ -373,11 +373,11 @@ def sub_cases(table: dict, argv=None) -> list:
 
 def shard_arrays(opt) -> dict:
     """The flat arrays ``opt`` holds (views, not copies): ``params`` (the whole parameter
-    buffer), ``grads`` (the whole gradient buffer; None with ``shard_gradients``), ``master``
+    buffer; with ``shard_params`` this rank's shard), ``grads`` (the whole gradient buffer; None with ``shard_gradients``), ``master``
     (the masters' array: fp32, or remainders; None where the parameters are their own master)
     and ``state`` (name -> array)."""
     state, gradients = opt.state, opt.gradients
-    return {"params": state.flat, "grads": None if gradients.sharded else gradients.buffer,
+    return {"params": getattr(state.flat, "local", state.flat), "grads": None if gradients.sharded else gradients.buffer,
             "master": None if state.masters is None else state.masters.held,
             "state": {name: kept.held for name, kept in state.stored.items()}}
 
@@ -411,6 +411,12 @@ def fail_in(opt, phase: str, fn) -> None:
         opt._reductions.sum_of_squares = fn
     else:
         raise ValueError(f"phase={phase!r}: 'update' or 'agree'")
+
+
+def param_gathers(opt):
+    """The parameters' gathers: ``in_flight``, ``scratch_bytes``; with ``shard_params`` the
+    ``UnitGathers`` (``order``: the last step's units by index)."""
+    return opt.state.gathers
 
 
 def pipeline_state(opt) -> tuple:

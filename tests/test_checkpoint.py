@@ -83,16 +83,16 @@ def test_bad_checkpoints_are_refused_on_every_rank(tmp_path):
 
 
 def test_plan_reads_maps_saved_ranges_onto_owned_ones():
-    # Saved by 2 ranks with two buckets each; now owned: [5, 25) starting at state 0, and
-    # [40, 44) starting at state 20.
+    # Saved by 2 ranks with two buckets each; now owned: packed [5, 25) starting at state 0
+    # (flat 5), and packed [40, 44) starting at state 20, at flat 100 (a unit's padding before).
     files = [{"file": "shard-00000.npy", "ranges": [[0, 10], [20, 30]]},
              {"file": "shard-00001.npy", "ranges": [[10, 20], [30, 44]]}]
-    reads = plan_reads([(5, 25, 0), (40, 44, 20)], files)
+    reads = plan_reads([(5, 25, 0, 5), (40, 44, 20, 100)], files)
     assert sorted(reads) == sorted([
         ("shard-00000.npy", 5, 5, 10, 0),     # column 5 of file 0 holds flat 5
         ("shard-00000.npy", 10, 20, 25, 15),  # its second range starts at column 10
         ("shard-00001.npy", 0, 10, 20, 5),
-        ("shard-00001.npy", 10 + 10, 40, 44, 20),
+        ("shard-00001.npy", 10 + 10, 100, 104, 20),  # packed 40 is flat 100
     ])
     assert sum(hi - lo for _, _, lo, hi, _ in reads) == 20 + 4
 

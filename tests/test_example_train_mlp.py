@@ -115,3 +115,17 @@ def test_plot_without_matplotlib_writes_nothing_and_says_so(tmp_path, monkeypatc
     assert save_plot(tmp_path / "x.png", "t", [("loss", [1.0, 0.5])]) is False
     assert "pip install matplotlib" in capsys.readouterr().out
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.mpi_independent
+def test_stage3_trains_as_stage2_and_holds_its_shard():
+    """``--stage 3``: each layer gathered in its block, the gradients handed over there; the
+    same losses as ``--stage 2`` (the same gradient shards), and the Stage 3 formula."""
+    finals = {}
+    for stage in (2, 3):
+        rc, out = run_example(2, "--steps", "20", "--dtype", "bfloat16", "--stage", str(stage))
+        assert rc == 0 and f"stage={stage} " in out, out
+        finals[stage] = re.search(r"^final: .*$", out, re.MULTILINE).group(0)
+        if stage == 3:
+            assert "formula 14Ψ/N" in out, out
+    assert finals[2] == finals[3], finals

@@ -452,3 +452,10 @@ def test_clip_grad_norm_takes_the_accumulated_gradients_and_a_schedule_set_betwe
     info = opt.step()
     assert info.clip_coef == pytest.approx(0.25) and info.grad_norm == pytest.approx(4.0)
     np.testing.assert_allclose(np.asarray(opt.params()["w"]), 1.0 - 0.25 * 0.5)
+
+
+def test_stage3_is_refused_with_the_reason():
+    """A jitted step reads the whole pytree: stage 3 would gather every unit at once."""
+    with pytest.raises(ValueError, match="shard_params=True is refused for JAX: a jitted step "
+                                         "reads the whole parameter pytree at once"):
+        ZeroOptimizer({"w": jnp.ones(4)}, "adamw", MPI.COMM_SELF, shard_params=True)

@@ -108,6 +108,7 @@ LAYERS = (
         "state.encodings", "state.int8_blocks"}),
     ("the engine's parts", {
         "comm.topology", "comm.nccl", "wire.gradient_exchange", "wire.param_gathers",
+        "wire.unit_gathers",
         "gradients.stage1", "gradients.stage2", "gradients.source", "state.host",
         "state.masters", "state.placement", "state.sharded", "step.pipeline",
         "persistence.checkpoint", "persistence.consolidated", "persistence.preemption",

@@ -36,7 +36,7 @@ __all__ = ["ShardedOptimizer", "StepInfo", "with_engine_options"]
 
 class ShardedOptimizer:
     """An update rule with its state sharded over MPI ranks (ZeRO stage 1; stage 2 with
-    ``shard_gradients``).
+    ``shard_gradients``, stage 3 with ``shard_params``).
 
     Args:
         params: mapping name -> NumPy or CuPy array (initial values; rank 0's are broadcast),
@@ -45,8 +45,7 @@ class ShardedOptimizer:
             ``zero1_mpi.Communicator`` built from one.
         rule: the update rule (a ``zero1_mpi.Rule``); ``defaults``: its group options.
 
-    The engine options are attributes too (``opt.param_dtype``: a NumPy dtype,
-    ``opt.shard_group_size``: K, ...); ``opt.options`` holds them all.
+    The engine options are attributes too (``opt.shard_group_size``, ...; ``opt.options``).
     """
 
     def __init__(self, params, comm, rule, defaults: dict, **engine_options):
@@ -101,8 +100,7 @@ class ShardedOptimizer:
 
     @property
     def state_rows(self) -> tuple[str, ...]:
-        """The names of the views ``shard_state`` gives, in order: ``"master"``, the rule's
-        ``state_names``, and for 16-bit parameters ``"param"`` (what checkpoints store)."""
+        """``shard_state``'s rows: "master", the rule's ``state_names``, "param" (16-bit)."""
         return self.state.rows
 
     @watched("reduce", 1)
@@ -137,10 +135,13 @@ class ShardedOptimizer:
         return self.gradients.missing()
 
     def wait(self) -> None:
-        """Complete the all-gathers that ``step(wait=False)`` left in flight. Reading
-        ``opt.params[...]`` calls this; call it yourself before reading views kept elsewhere
-        (for example a model's tensors that share the buffer)."""
+        """Complete the gathers ``step(wait=False)`` left in flight (``opt.params[...]`` does)."""
         self.state.wait()
+
+    def gathered(self, unit: str):
+        """``with opt.gathered("block3") as p:``: the unit's tensors by name (``shard_params``:
+        gathered into a working buffer for the block, read-only). All ranks, in one order."""
+        return self.state.gathered(unit)
 
     @watched("reduce", 1)
     def zero_grad(self) -> None:
@@ -223,10 +224,9 @@ class ShardedOptimizer:
         return self.persistence.load_consolidated(path)
 
     def shard_state(self, lo: int, hi: int, state: int) -> dict:
-        """This rank's state over the flat parameter range ``[lo, hi)`` that it owns, starting
-        at ``state`` in its shard arrays (``layout.owned(shard_rank)``): an array per name of
-        ``state_rows`` (fp32; a copy where a row is not kept in fp32). To change them:
-        ``write_shard_state``."""
+        """This rank's state over a flat range ``[lo, hi)`` it owns, from ``state`` in its shard
+        arrays (``layout.owned(shard_rank)``): an array per name of ``state_rows`` (fp32; a
+        copy where a row is kept otherwise). To change them: ``write_shard_state``."""
         return self.state.views(lo, hi, state)
 
     def write_shard_state(self, lo: int, hi: int, state: int, values: dict) -> None:

@@ -61,6 +61,11 @@ def bad_values(option) -> list:
         found += [("nonsense", "unknown"), (first.upper(), "another case"),
                   (first + " ", "a space"), (first[:-1], "a prefix"), (1, "a number"),
                   (True, "a bool")]
+    elif v.kind == "units":  # build()'s tensors are "w" and "b"
+        found += [("w", "a string"), (["w", "b"], "a list"), ({}, "empty"),
+                  ({"u": ["w"]}, "a tensor in no unit"), ({"u": ["w", "b", "x"]}, "unknown"),
+                  ({"u": ["w"], "v": ["w", "b"]}, "a tensor in two units"),
+                  ({"u": [], "v": ["w", "b"]}, "an empty unit"), ({1: ["w", "b"]}, "a number")]
     else:  # flag
         found += [(1, "an int"), (0, "zero"), ("True", "a string")]
     return [(value, why) for value, why in found if value not in v.also]

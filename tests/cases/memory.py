@@ -64,6 +64,9 @@ RULES = (
     ("adamw stage 2 fp32 shard", ZeroAdamW,
      {"shard_gradients": True, "grad_shard_dtype": "float32", "bucket_elements": 1 << 16},
      ("exp_avg", "exp_avg_sq"), (8, 10)),
+    # parameter sharding (stage 3): (P + G + K)Ψ/N, the parameters' shard booked
+    ("adamw stage 3", ZeroAdamW, {"shard_params": True, "bucket_elements": 1 << 16},
+     ("exp_avg", "exp_avg_sq"), (8, 10)),
     # the 8-bit wire: its residual booked as error_feedback (the gradients' dtype, Ψ values)
     ("adamw int8 wire, error feedback", ZeroAdamW,
      {"reduce_dtype": "int8", "error_feedback": True, "bucket_elements": 1 << 16},
@@ -110,11 +113,14 @@ def check_report_names_the_state(what, psi, report, names, k):
           f"{what}: memory_report().state names {tuple(report.state)}, expected {names}")
     check(report.bytes_per_param == k,
           f"{what}: memory_report().bytes_per_param={report.bytes_per_param}, expected {k}")
-    if report.grad_shard_dtype is None:
+    param = 4 if report.param_dtype == "float32" else 2
+    if report.params_sharded:  # stage 3: (P + G + K)Ψ/N, every part sharded
+        grad = 4 if report.grad_shard_dtype == "float32" else 2
+        expected = (param + grad + k) * psi / size
+    elif report.grad_shard_dtype is None:
         formula = (stage1_fp32_bytes if report.param_dtype == "float32" else stage1_bytes)
         expected = formula(psi, size, k)
     else:  # stage 2: 2Ψ + (G + K)Ψ/N, G the gradient shard's bytes per element
-        param = 4 if report.param_dtype == "float32" else 2
         grad = 4 if report.grad_shard_dtype == "float32" else 2
         expected = param * psi + (grad + k) * psi / size
     check(report.formula_bytes == expected,

@@ -185,6 +185,12 @@ def _spelled(cls, options: dict, groups, masked: bool):
     """``options`` and the groups' options with optax's names replaced by zero1_mpi's
     (``spellings.spell``), and their schedules checked (``_check_schedules``)."""
     own, defaults, rule_options = _signature(cls)
+    if options.get("shard_params"):
+        raise ValueError(
+            "shard_params=True is refused for JAX: a jitted step reads the whole parameter "
+            "pytree at once, so every unit would be gathered together and nothing saved over "
+            "shard_gradients=True (stage 2), which JAX takes; see docs/stage3.md"
+        )
     options = spell(options, own, defaults)
     if masked and "weight_decay" not in rule_options:
         raise TypeError(

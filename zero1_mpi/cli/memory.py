@@ -1,8 +1,8 @@
 """The memory tool: ``zero1-memory --params 7B --ranks 64`` (or ``python -m zero1_mpi.memory``).
 
 Prints, per rank count, each rank's memory (GB = 1e9 bytes) for Ψ parameters: the baseline
-(plain data parallelism), stages 1 and 2 (what zero1_mpi does; 2 with ``shard_gradients=True``)
-and, for reference, stage 3, then the formulas in words. ``--rule``: the update rule, its bytes
+(plain data parallelism), stages 1, 2 and 3 (2 with ``shard_gradients=True``, 3 with
+``shard_params=True``), then the formulas in words. ``--rule``: the update rule, its bytes
 per parameter K of the sharded part from ``zero1_mpi.rules.registry``; ``--param-dtype``;
 ``--offload cpu``: stage 1's device/host split (as ``MemoryReport``; ``--offload-fraction F``:
 that share on the host); ``--shard-group-size G``:
@@ -154,7 +154,11 @@ def formulas(
             f"{p}Ψ+{_num(g + k)}Ψ/{n}",
             "zero1_mpi with shard_gradients=True: the grads sharded too",
         ),
-        ("Stage 3", f"{_num(p + g + k)}Ψ/{n}", "for reference: params, grads, state sharded"),
+        (
+            "Stage 3",
+            f"{_num(p + g + k)}Ψ/{n}",
+            "zero1_mpi with shard_params=True: params too, + the units gathered",
+        ),
     ]
     width = max(len(formula) for _, formula, _ in rows) + 3
     head = (
@@ -230,8 +234,7 @@ def main(argv=None) -> int:
         prog=_prog(),
         usage="%(prog)s [-h] [--params PSI] [--ranks N [N ...]] [--rule RULE] [options]",
         description="Per-rank memory of ZeRO data parallelism (GB = 1e9 bytes): baseline, "
-        "stages 1 and 2 (zero1_mpi; 2 with shard_gradients=True), and stage 3 "
-        "for reference.",
+        "stages 1, 2 (shard_gradients=True) and 3 (shard_params=True).",
     )
     parser.add_argument(
         "--params",

@@ -63,6 +63,7 @@ def configure(params, comm, rule, defaults: dict, given: dict) -> Setup:
             options.param_dtype.name,
             bucket_elements=options.bucket_elements,
             param_group_tensors=[len(g["names"]) for g in groups],
+            units=None if options.units is None else dict(options.units),
         )
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc

@@ -23,7 +23,7 @@ from ..comm.capabilities import check_cuda_aware
 from ..comm.topology import check_shard_group_size
 from ..comm.watchdog import check_step_timeout
 from ..flat.inputs import check_param_dtype
-from ..flat.layout import DEFAULT_BUCKET_ELEMENTS, check_bucket_elements
+from ..flat.layout import DEFAULT_BUCKET_ELEMENTS, check_bucket_elements, check_units
 from ..gradients.stage2 import (
     DEFAULT_STAGING,
     check_grad_shard_dtype,
@@ -47,6 +47,7 @@ from ..wire.gradient_exchange import (
     check_reduce_dtype,
 )
 from ..wire.param_gathers import check_gather_dtype
+from ..wire.unit_gathers import check_shard_params, default_units
 
 __all__ = [
     "Option",
@@ -68,11 +69,12 @@ class Values:
     the agreement (unless the option is ``local``).
 
     ``kind``: ``"number"`` (a real number, finite), ``"integer"``, ``"choice"`` (one of
-    ``choices``) or ``"flag"`` (True or False); ``low``/``high``: a number's bounds
-    (``low_open``: ``low`` itself refused); ``none``: None taken too; ``also``: strings taken
-    beside the kind's values. ``other``: a value the check takes that means something else than
-    the default, with the options ``needs`` (on every rank); ``alone``: whether ``other``
-    without ``needs`` is taken (else it must be refused: a value that would mean nothing)."""
+    ``choices``), ``"flag"`` (True or False) or ``"units"`` (``flat.layout.check_units``);
+    ``low``/``high``: a number's bounds (``low_open``: ``low`` itself refused); ``none``:
+    None taken too; ``also``: strings taken beside the kind's values. ``other``: a value the
+    check takes that means something else than the default, with the options ``needs`` (on
+    every rank); ``alone``: whether ``other`` without ``needs`` is taken (else it must be
+    refused: a value that would mean nothing)."""
 
     kind: str
     low: float | None = None
@@ -89,6 +91,8 @@ class Values:
         """``"a number > 0 or None"``: what the option takes, in words."""
         if self.kind == "flag":
             parts = ["True", "False"]
+        elif self.kind == "units":
+            parts = ["a mapping of unit name -> tensor names"]
         elif self.kind == "choice":
             parts = [repr(c) for c in self.choices]
         else:
@@ -128,6 +132,13 @@ def _loss_scale(value, checked):
 
 def _bucket_elements(value, checked):
     return check_bucket_elements(value)
+
+
+def _units(value, checked):
+    names = list(checked["arrays"])
+    if value is None and checked["shard_params"]:
+        value = default_units(names)
+    return check_units(value, names)
 
 
 def _step_timeout(value, checked):
@@ -328,16 +339,41 @@ OPTIONS = (
         values=Values("choice", choices=STATE_DTYPES, other="bfloat16"),
     ),
     Option(
-        "shard_gradients",
+        "shard_params",
         "bool",
         False,
+        check_shard_params,
+        doc="ZeRO stage 3 (docs/stage3.md): each rank keeps only its shard of the "
+        "parameters too (and of the gradients: ``shard_gradients`` follows). Read a "
+        "unit's tensors inside ``with opt.gathered(unit) as p:`` (a unit is all-gathered "
+        "into a working buffer for the block; the next unit of the order the last step "
+        "used travels meanwhile) and hand gradients over with ``add_grad``.",
+        values=Values("flag", other=True),
+    ),
+    Option(
+        "units",
+        "dict | None",
+        None,
+        _units,
+        doc="the units: a mapping unit name -> its tensors' names, consecutive in the "
+        "parameters' order; each unit starts a bucket and is padded to whole shards, so "
+        "that it is gathered (stage 3) in one go. None: with ``shard_params``, the "
+        "tensors that share a name up to its last ``.``; else no units. "
+        "``opt.options.units`` holds them, as ``(unit, tensors)`` pairs.",
+        values=Values("units", none=True, other={"all": ["w", "b"]}),
+    ),
+    Option(
+        "shard_gradients",
+        "bool | None",
+        None,
         check_shard_gradients,
         doc="ZeRO stage 2: no rank holds the full gradient. Hand each tensor's gradient "
         "over with ``add_grad(name, grad)`` (once per micro-batch, in the same order on "
         "every rank) instead of writing ``grads``; a bucket is reduced into this rank's "
         "gradient shard as soon as its last tensor is in, through a few staging "
-        "buckets (``grad_staging``); the shard sums the micro-batches of a step.",
-        values=Values("flag", other=True),
+        "buckets (``grad_staging``); the shard sums the micro-batches of a step. None: "
+        "as ``shard_params``.",
+        values=Values("flag", none=True, other=True),
     ),
     Option(
         "grad_shard_dtype",

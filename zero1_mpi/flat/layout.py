@@ -1,20 +1,22 @@
 """Where every tensor lives in the flat buffers, and which slice each rank owns.
 
-Pure data: no arrays, no MPI. Tensors are packed back to back, in order, into one flat range,
-padded at the end to a multiple of ``group_size * align`` elements (``group_size``: the ranks
-the state is sharded over). The range is cut into buckets (the unit of communication) whose
-sizes are multiples of that quantum, and each bucket into ``group_size`` equal contiguous
-shards, so one count serves every rank in ``Reduce_scatter_block`` / ``Allgather``. Tensors
-may straddle shards and buckets (as in Megatron-LM and DeepSpeed), so the padding stays below
-one quantum and the communication scratch is bounded by the bucket size.
-``Layout.fingerprint`` lets ranks check that they built the same layout.
+Pure data: no arrays, no MPI. Tensors are packed back to back, in order, into one flat range
+cut into buckets (the unit of communication) padded to multiples of ``group_size * align``
+elements (``group_size``: the ranks the state is sharded over), each bucket cut into
+``group_size`` equal contiguous shards, so one count serves every rank in
+``Reduce_scatter_block`` / ``Allgather``. Tensors may straddle shards and buckets (as in
+Megatron-LM and DeepSpeed). ``units`` (runs of tensors gathered together, stage 3) each begin a
+bucket and end padded; checkpoints record ``packed`` positions (a flat position less the
+padding before it: the same in every layout). ``Layout.fingerprint`` lets ranks compare.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "TensorSlot",
     "build_layout",
     "check_bucket_elements",
+    "check_units",
+    "Unit",
     "DEFAULT_ALIGN",
     "DEFAULT_BUCKET_ELEMENTS",
 ]
@@ -52,6 +56,14 @@ class Bucket:
     used: int
     size: int
     group_size: int
+    #: The packed position of the bucket's first element (``offset`` without units).
+    packed: int = -1
+    #: The unit this bucket belongs to (0 without units: one unit of every bucket).
+    unit: int = 0
+
+    def __post_init__(self):
+        if self.packed < 0:
+            object.__setattr__(self, "packed", self.offset)
 
     @property
     def shard_size(self) -> int:
@@ -75,6 +87,16 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class Unit:
+    """A unit: the tensors gathered together (stage 3), in buckets ``[first, stop)``."""
+
+    name: str
+    tensors: tuple[str, ...]
+    first: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class Layout:
     """The tensors, the buckets and the param groups' flat ranges, for ``group_size`` shards."""
 
@@ -85,6 +107,8 @@ class Layout:
     dtype: str
     #: Flat ``(start, stop)`` of each param group: consecutive, covering ``[0, total)``.
     groups: tuple[tuple[int, int], ...] = ()
+    #: The units, in order (empty: the tensors packed back to back, no unit given).
+    units: tuple[Unit, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -140,10 +164,38 @@ class Layout:
         ranges = []
         for bucket in self.buckets:
             start, stop = bucket.shard(rank)
-            stop = min(stop, self.numel)
+            stop = min(stop, bucket.offset + bucket.used)
             if start < stop:
                 ranges.append((start, stop, bucket.state.start))
         return ranges
+
+    def owned_packed(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """``owned(rank)`` in packed positions: ``(packed start, packed stop, state_start,
+        flat start)`` of each range (with no unit, packed and flat positions are one)."""
+        ranges = []
+        for start, stop, state in self.owned(rank):
+            bucket = self.buckets[self.bucket_at(start)]
+            packed = bucket.packed + start - bucket.offset
+            ranges.append((packed, packed + stop - start, state, start))
+        return ranges
+
+    def unit_named(self, name: str) -> Unit:
+        """The unit called ``name``, or a KeyError naming the units there are."""
+        found = next((unit for unit in self.units if unit.name == name), None)
+        if found is None:
+            known = [unit.name for unit in self.units]
+            shown = ", ".join(map(repr, known[:8])) + (", ..." if len(known) > 8 else "")
+            raise KeyError(
+                f"no unit {name!r}: the units are {shown} (opt.options.units)"
+                if known
+                else f"no unit {name!r}: the optimizer has no units: pass units= (or "
+                "shard_params=True)"
+            )
+        return found
+
+    def bucket_at(self, position: int) -> int:
+        """The index of the bucket holding flat ``position``."""
+        return bisect.bisect_right([b.offset for b in self.buckets], position) - 1
 
     @property
     def fingerprint(self) -> str:
@@ -156,6 +208,7 @@ class Layout:
                 [(t.name, t.shape, t.offset) for t in self.tensors],
                 [(b.offset, b.used, b.size) for b in self.buckets],
                 self.groups,
+                [(u.name, u.first, u.stop) for u in self.units],
             )
         )
         return hashlib.sha256(text.encode()).hexdigest()
@@ -171,6 +224,66 @@ def check_bucket_elements(value) -> int:
     return value
 
 
+def check_units(units, names) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
+    """``units`` (None, or a mapping unit name -> the names of its tensors) as
+    ``((unit, tensors), ...)`` in order, checked against ``names`` (the tensors, in order):
+    each tensor in exactly one unit, a unit's tensors consecutive in that order; else a
+    ValueError naming the unit or tensor and the fix."""
+    if units is None:
+        return None
+    if not isinstance(units, Mapping) or not units:
+        raise ValueError(
+            f"units={_short(units)} must be None or a non-empty mapping of unit name -> "
+            "the names of its tensors, e.g. {'layer1': ['w1', 'b1'], 'layer2': ['w2', 'b2']}"
+        )
+    head = f"units={_short(units)}"
+    known, order, checked = set(names), {n: i for i, n in enumerate(names)}, []
+    seen: dict[str, str] = {}
+    for unit, members in units.items():
+        if not isinstance(unit, str) or isinstance(members, (str, bytes)):
+            raise ValueError(
+                f"{head}: unit {unit!r} -> {_short(members)}: a unit is a string naming a "
+                "list of tensor names"
+            )
+        members = tuple(members) if isinstance(members, Iterable) else None
+        if not members:
+            raise ValueError(f"{head}: unit {unit!r} names no tensor: give it at least one")
+        for name in members:
+            if name not in known:
+                raise ValueError(
+                    f"{head}: unit {unit!r} names {name!r}, which is not a parameter "
+                    f"(the parameters are {_short(list(names))})"
+                )
+            if name in seen:
+                raise ValueError(
+                    f"{head}: tensor {name!r} is in unit {seen[name]!r} and in {unit!r}: put "
+                    "each tensor in one unit (a tensor two layers share: in a unit of its own)"
+                )
+            seen[name] = unit
+        positions = sorted(order[n] for n in members)
+        if positions != list(range(positions[0], positions[0] + len(members))):
+            gap = names[next(p for p, q in zip(range(positions[0], 10**9), positions) if p != q)]
+            raise ValueError(
+                f"{head}: unit {unit!r} is not consecutive in the parameters' order ({gap!r} "
+                "comes between its tensors): order the parameters (and param groups) so "
+                "that each unit's tensors follow each other"
+            )
+        checked.append((unit, tuple(names[p] for p in positions)))
+    missing = [n for n in names if n not in seen]
+    if missing:
+        raise ValueError(
+            f"{head}: tensor {missing[0]!r} is in no unit ({len(missing)} are not): every "
+            "tensor must be in one unit"
+        )
+    checked.sort(key=lambda unit: order[unit[1][0]])
+    return tuple(checked)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def build_layout(
     shapes,
     group_size: int,
@@ -179,11 +292,13 @@ def build_layout(
     bucket_elements: int = DEFAULT_BUCKET_ELEMENTS,
     align: int = DEFAULT_ALIGN,
     param_group_tensors=None,
+    units=None,
 ) -> Layout:
     """Pack ``shapes`` (an ordered mapping name -> shape) into a padded, bucketed flat range.
 
     ``group_size`` is the number of shards per bucket (the ranks the state is sharded over);
-    ``param_group_tensors`` counts the tensors of each param group, in order (default: one group).
+    ``param_group_tensors`` counts the tensors of each param group, in order (default: one
+    group); ``units`` (``check_units``' input) groups the tensors into units of whole buckets.
     """
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive integer")
@@ -191,19 +306,30 @@ def build_layout(
     if not isinstance(align, int) or align < 1:
         raise ValueError(f"align={align!r} must be a positive integer (default {DEFAULT_ALIGN})")
     quantum = group_size * align
-
-    tensors, offset = [], 0
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        tensors.append(TensorSlot(name, tuple(shape), offset, numel))
-        offset += numel
-    total = max(1, math.ceil(offset / quantum)) * quantum
     bucket_size = math.ceil(bucket_elements / quantum) * quantum
-    buckets = tuple(
-        Bucket(index, start, max(0, min(offset - start, size)), size, group_size)
-        for index, start in enumerate(range(0, total, bucket_size))
-        for size in [min(bucket_size, total - start)]
-    )
+    names = list(shapes)
+    grouped = check_units(units, names)
+    runs = grouped or (("", tuple(names)),)
+
+    tensors: list[TensorSlot] = []
+    buckets: list[Bucket] = []
+    unit_list: list[Unit] = []
+    offset = packed = 0
+    for u, (unit, members) in enumerate(runs):
+        start, first = offset, len(buckets)
+        for name in members:
+            numel = math.prod(shapes[name])
+            tensors.append(TensorSlot(name, tuple(shapes[name]), offset, numel))
+            offset += numel
+        used_total = offset - start
+        total = max(1, math.ceil(used_total / quantum)) * quantum
+        for at in range(start, start + total, bucket_size):
+            size = min(bucket_size, start + total - at)
+            used = max(0, min(start + used_total - at, size))
+            buckets.append(Bucket(len(buckets), at, used, size, group_size, packed, u))
+            packed += used
+        offset = start + total
+        unit_list.append(Unit(unit, members, first, len(buckets)))
     counts = [len(tensors)] if param_group_tensors is None else list(param_group_tensors)
     if sum(counts) != len(tensors) or min(counts, default=0) < 0:
         raise ValueError(f"param_group_tensors={counts!r} must count the {len(tensors)} tensors")
@@ -211,6 +337,7 @@ def build_layout(
     for count in counts[:-1]:
         first += count
         bounds.append(tensors[first].offset if first < len(tensors) else offset)
-    bounds.append(total)  # the padding belongs to the last group
+    bounds.append(offset)  # the padding belongs to the group before it
     groups = tuple(itertools.pairwise(bounds))
-    return Layout(tuple(tensors), buckets, group_size, align, dtype, groups)
+    kept_units = tuple(unit_list) if grouped is not None else ()
+    return Layout(tuple(tensors), tuple(buckets), group_size, align, dtype, groups, kept_units)

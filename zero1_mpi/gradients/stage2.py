@@ -379,9 +379,17 @@ DEFAULT_STAGING = 2
 
 
 def check_shard_gradients(value, checked):
+    if value is None:
+        return checked["shard_params"]
     if not isinstance(value, bool):
         raise ValueError(
-            f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients sharded too) or False"
+            f"shard_gradients={value!r} must be True (ZeRO stage 2: gradients sharded too), "
+            "False, or None (as shard_params)"
+        )
+    if checked["shard_params"] and not value:
+        raise ValueError(
+            "shard_gradients=False with shard_params=True: stage 3 shards the gradients "
+            "too (no rank holds the full parameters to hold full gradients beside): drop it"
         )
     return value
 

@@ -2,9 +2,10 @@
 
 ``memory_report(state, gradients, reductions, persistence, backend)`` measures the arrays the
 parts allocated (``nbytes``, not formulas) and splits them so that every byte is counted once:
-the real elements of the parameters, the gradients (the full buffer, or stage 2's shard), the
-masters and each state array of this rank's shard; their padding; the scratch a step holds
-(communication slots, kernels', MPI staging); and, where the state is offloaded (in part or
+the real elements of the parameters (stage 3: this rank's shard), the gradients (the full
+buffer, or stage 2's shard), the masters and each state array of this rank's shard; their
+padding; the scratch a step holds (communication slots, kernels', MPI staging, stage 3's
+working buffers); and, where the state is offloaded (in part or
 whole) or the parameters live on a GPU, what of it the host holds. Local: no collectives.
 """
 
@@ -23,7 +24,7 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
     psi, owned = layout.numel, layout.owned_real(state.shard_rank)
     grads, masters = gradients.buffer, state.masters
     real = {
-        "parameters": psi * state.dtype.itemsize,
+        "parameters": (owned if state.params_sharded else psi) * state.dtype.itemsize,
         "gradients": (owned if gradients.sharded else psi) * grads.dtype.itemsize,
         "master_weights": 0 if masters is None else masters.real_bytes(owned),
     }
@@ -62,4 +63,5 @@ def memory_report(state, gradients, reductions, persistence, backend: str) -> Me
         error_feedback=gradients.feedback_bytes,
         masters="fp32" if masters is None else masters.kind,
         state_dtype=state.state_dtype,
+        params_sharded=state.params_sharded,
     )

@@ -96,81 +96,10 @@ class MemoryReport:
     state_dtype: str = "float32"
     offload_fraction: float = 1.0
     host_state: int | None = None
+    params_sharded: bool = False
 
     def __post_init__(self):
-        for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
-            object.__setattr__(self, name, _count(f"MemoryReport.{name}", getattr(self, name)))
-        if not isinstance(self.state, Mapping):
-            raise ValueError(
-                f"MemoryReport.state={self.state!r} must map each state array's "
-                f"name to its bytes, e.g. {{'exp_avg': 4096}}"
-            )
-        state = {}
-        for name, value in self.state.items():
-            if not isinstance(name, str) or not name or name in _BYTE_FIELDS:
-                raise ValueError(
-                    f"MemoryReport.state has a bad name {name!r}: a rule's state "
-                    f"array name such as 'exp_avg'"
-                )
-            state[name] = _count(f"MemoryReport.state[{name!r}]", value)
-        object.__setattr__(self, "state", state)
-        if self.group_size < 1 or self.rank >= self.group_size:
-            raise ValueError(
-                f"MemoryReport rank={self.rank} group_size={self.group_size}: "
-                f"need group_size >= 1 and 0 <= rank < group_size"
-            )
-        if not isinstance(self.param_dtype, str):
-            raise ValueError(
-                f"MemoryReport.param_dtype={self.param_dtype!r} must be a dtype "
-                f"name such as 'float16'; pass numpy.dtype(d).name"
-            )
-        if not isinstance(self.offloaded, bool):
-            raise ValueError(f"MemoryReport.offloaded={self.offloaded!r} must be True or False")
-        fraction = self.offload_fraction
-        if (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, numbers.Real)
-            or not 0 <= fraction <= 1
-        ):
-            raise ValueError(
-                f"MemoryReport.offload_fraction={fraction!r} must be a number from 0 to 1"
-            )
-        if self.host_state is None:
-            if self.offloaded and fraction < 1 and self.optimizer_state:
-                raise ValueError(
-                    f"MemoryReport.offload_fraction={fraction!r} needs host_state: the bytes "
-                    "of optimizer_state on the host (the split falls at a tensor piece, so "
-                    "the share alone does not give it)"
-                )
-            object.__setattr__(self, "host_state", self.optimizer_state if self.offloaded else 0)
-        host_state = _count("MemoryReport.host_state", self.host_state)
-        if host_state > self.optimizer_state or (host_state and not self.offloaded):
-            raise ValueError(
-                f"MemoryReport.host_state={host_state} must be at most optimizer_state="
-                f"{self.optimizer_state}, and 0 unless offloaded"
-            )
-        object.__setattr__(self, "host_state", host_state)
-        if (
-            self.grad_shard_dtype is not None
-            and self.grad_shard_dtype not in MIXED_DTYPES + FP32_DTYPES
-        ):
-            raise ValueError(
-                f"MemoryReport.grad_shard_dtype={self.grad_shard_dtype!r} must be "
-                f"None (stage 1) or one of {', '.join(MIXED_DTYPES + FP32_DTYPES)}"
-            )
-        if self.state_dtype not in STATE_BYTES:
-            raise ValueError(
-                f"MemoryReport.state_dtype={self.state_dtype!r} must be one of "
-                f"{', '.join(STATE_BYTES)}"
-            )
-        if self.masters not in MASTER_BYTES:
-            raise ValueError(
-                f"MemoryReport.masters={self.masters!r} must be one of {', '.join(MASTER_BYTES)}"
-            )
-        if self.rule is not None and not isinstance(self.rule, str):
-            raise ValueError(
-                f"MemoryReport.rule={self.rule!r} must be a rule name such as 'adam', or None"
-            )
+        _check_fields(self)
 
     def __hash__(self):
         return hash(
@@ -188,6 +117,7 @@ class MemoryReport:
                 self.grad_shard_dtype,
                 self.masters,
                 self.state_dtype,
+                self.params_sharded,
             )
         )
 
@@ -266,6 +196,10 @@ class MemoryReport:
         4Ψ+4Ψ+KΨ/N (fp32; Adam 8Ψ/N); with a gradient shard (stage 2), 2Ψ+(G+K)Ψ/N, G its
         bytes per element (Adam, 16-bit: 2Ψ+14Ψ/N, or 2Ψ+16Ψ/N for an fp32 shard)."""
         k = self.bytes_per_param
+        if self.params_sharded:  # the table's Stage 3 column, this rule's K
+            return stage_bytes(
+                self.psi, self.group_size, 3, k, self.param_dtype, self.grad_shard_dtype
+            )
         if self.grad_shard_dtype is not None:  # the table's Stage 2 column, this rule's K
             return stage_bytes(
                 self.psi, self.group_size, 2, k, self.param_dtype, self.grad_shard_dtype
@@ -278,6 +212,10 @@ class MemoryReport:
     def formula_label(self) -> str:
         """``2Ψ+2Ψ+12Ψ/N``, ``4Ψ+4Ψ+8Ψ/N``, ...: the formula this report is held to."""
         replicated = "4Ψ+4Ψ" if self.param_dtype in FP32_DTYPES else "2Ψ+2Ψ"
+        if self.params_sharded:
+            param = replicated_terms(self.param_dtype)[0]
+            grad = replicated_terms(self.grad_shard_dtype or self.param_dtype)[1]
+            return f"{param + grad + self.bytes_per_param:g}Ψ/N"
         if self.grad_shard_dtype is not None:
             sharded = replicated_terms(self.grad_shard_dtype)[1] + self.bytes_per_param
             return f"{replicated.split('+')[0]}+{sharded:g}Ψ/N"
@@ -336,6 +274,85 @@ class MemoryReport:
                 f"{' + error feedback' if self.error_feedback else ''})"
             )
         return "\n".join(lines)
+
+
+def _check_fields(self: MemoryReport) -> None:
+    """Each field of a ``MemoryReport`` checked, counts normalized; a ValueError naming the
+    field and what it must be."""
+    for name in _BYTE_FIELDS + ("psi", "group_size", "rank"):
+        object.__setattr__(self, name, _count(f"MemoryReport.{name}", getattr(self, name)))
+    if not isinstance(self.state, Mapping):
+        raise ValueError(
+            f"MemoryReport.state={self.state!r} must map each state array's "
+            f"name to its bytes, e.g. {{'exp_avg': 4096}}"
+        )
+    state = {}
+    for name, value in self.state.items():
+        if not isinstance(name, str) or not name or name in _BYTE_FIELDS:
+            raise ValueError(
+                f"MemoryReport.state has a bad name {name!r}: a rule's state "
+                f"array name such as 'exp_avg'"
+            )
+        state[name] = _count(f"MemoryReport.state[{name!r}]", value)
+    object.__setattr__(self, "state", state)
+    if self.group_size < 1 or self.rank >= self.group_size:
+        raise ValueError(
+            f"MemoryReport rank={self.rank} group_size={self.group_size}: "
+            f"need group_size >= 1 and 0 <= rank < group_size"
+        )
+    if not isinstance(self.param_dtype, str):
+        raise ValueError(
+            f"MemoryReport.param_dtype={self.param_dtype!r} must be a dtype "
+            f"name such as 'float16'; pass numpy.dtype(d).name"
+        )
+    if not isinstance(self.offloaded, bool):
+        raise ValueError(f"MemoryReport.offloaded={self.offloaded!r} must be True or False")
+    if not isinstance(self.params_sharded, bool):
+        raise ValueError(
+            f"MemoryReport.params_sharded={self.params_sharded!r} must be True (stage 3) or False"
+        )
+    fraction = self.offload_fraction
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, numbers.Real)
+        or not 0 <= fraction <= 1
+    ):
+        raise ValueError(f"MemoryReport.offload_fraction={fraction!r} must be a number from 0 to 1")
+    if self.host_state is None:
+        if self.offloaded and fraction < 1 and self.optimizer_state:
+            raise ValueError(
+                f"MemoryReport.offload_fraction={fraction!r} needs host_state: the bytes "
+                "of optimizer_state on the host (the split falls at a tensor piece, so "
+                "the share alone does not give it)"
+            )
+        object.__setattr__(self, "host_state", self.optimizer_state if self.offloaded else 0)
+    host_state = _count("MemoryReport.host_state", self.host_state)
+    if host_state > self.optimizer_state or (host_state and not self.offloaded):
+        raise ValueError(
+            f"MemoryReport.host_state={host_state} must be at most optimizer_state="
+            f"{self.optimizer_state}, and 0 unless offloaded"
+        )
+    object.__setattr__(self, "host_state", host_state)
+    if (
+        self.grad_shard_dtype is not None
+        and self.grad_shard_dtype not in MIXED_DTYPES + FP32_DTYPES
+    ):
+        raise ValueError(
+            f"MemoryReport.grad_shard_dtype={self.grad_shard_dtype!r} must be "
+            f"None (stage 1) or one of {', '.join(MIXED_DTYPES + FP32_DTYPES)}"
+        )
+    if self.state_dtype not in STATE_BYTES:
+        raise ValueError(
+            f"MemoryReport.state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_BYTES)}"
+        )
+    if self.masters not in MASTER_BYTES:
+        raise ValueError(
+            f"MemoryReport.masters={self.masters!r} must be one of {', '.join(MASTER_BYTES)}"
+        )
+    if self.rule is not None and not isinstance(self.rule, str):
+        raise ValueError(
+            f"MemoryReport.rule={self.rule!r} must be a rule name such as 'adam', or None"
+        )
 
 
 def _count(what: str, value) -> int:

@@ -175,7 +175,8 @@ def snapshot_shape(state) -> tuple[int, int] | None:
 
 
 def _ranges(state) -> list[list[int]]:
-    return [[lo, hi] for lo, hi, _ in state.layout.owned(state.shard_rank)]
+    """The ranges this rank's file holds, in packed positions (those of every layout)."""
+    return [[lo, hi] for lo, hi, _, _ in state.layout.owned_packed(state.shard_rank)]
 
 
 def _shape(state) -> tuple[int, int]:
@@ -334,7 +335,7 @@ def load(comm, state, counters, path, old_names: dict | None = None) -> Path:
         saved = read_counters(manifest, counters.param_groups, state.rule, ckpt / MANIFEST)
         if manifest.get("fingerprint") != fingerprint(state, counters.param_groups, saved_as):
             raise CheckpointError(f"{ckpt}: the layout fingerprint differs from the optimizer's")
-        reads = plan_reads(state.layout.owned(state.shard_rank), manifest["files"])
+        reads = plan_reads(state.layout.owned_packed(state.shard_rank), manifest["files"])
         needed = {read[0] for read in reads}
         for index, entry in enumerate(manifest["files"]):
             if entry["file"] in needed:
@@ -371,14 +372,16 @@ def load(comm, state, counters, path, old_names: dict | None = None) -> Path:
 
 def plan_reads(owned, files) -> list[tuple[str, int, int, int, int]]:
     """``(file, first column, lo, hi, state)`` for every piece of the flat ranges this rank
-    owns (``owned``: ``(lo, hi, state)``) that a saved file holds."""
+    owns (``owned``: ``(packed lo, packed hi, state, flat lo)``, ``Layout.owned_packed``)
+    that a saved file holds (its ranges in packed positions); ``lo, hi`` flat."""
     reads = []
     for entry in files:
         column = 0
         for f_lo, f_hi in entry["ranges"]:
-            for lo, hi, state in owned:
+            for lo, hi, state, flat in owned:
                 a, b = max(lo, f_lo), min(hi, f_hi)
                 if a < b:
-                    reads.append((entry["file"], column + a - f_lo, a, b, state + a - lo))
+                    at = flat + a - lo
+                    reads.append((entry["file"], column + a - f_lo, at, at + b - a, state + a - lo))
             column += f_hi - f_lo
     return reads

@@ -17,9 +17,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..flat.views import Closed, Views
+from ..flat.views import Closed
 from ..kernels import backend
-from ..wire.param_gathers import ParamGathers, param_gathers
+from ..wire.param_gathers import ParamGathers, param_buffer, param_gathers
+from ..wire.unit_gathers import OwnedParams
 from .host import each_tensor_sums
 from .placement import OffloadedShare, ShardSpec, WithParams, placement_for
 
@@ -47,10 +48,12 @@ class ShardedState:
         self.shard_rank, self.watch, self._xp = topology.shard_rank, watch, xp
         self._counters = counters
         self.mixed = dtype != FP32
+        #: Whether this rank keeps only its shard of the parameters (stage 3).
+        self.params_sharded = options.shard_params
         self.state_dtype = options.state_dtype
-        #: The flat parameter buffer (every rank's full copy); ``params``: its views by name.
-        self.flat = backend.zeros(xp, layout.total, dtype)  # 64-byte aligned on the host
-        self.params: Mapping = Views(layout, self.flat, self.wait)  # gathers done first
+        #: The flat parameter buffer (every rank's full copy; with ``shard_params`` this
+        #: rank's shard, ``OwnedParams``); ``params``: the views by name.
+        self.flat = param_buffer(options, layout, self.shard_rank, xp)
         largest = layout.largest_shard
         #: Each bucket's tensor pieces on this rank: ``(tensor, group, a, b)``, ``[a, b)`` in
         #: the bucket's shard; a two-phase rule's calls, and the 8-bit state's segments.
@@ -92,6 +95,7 @@ class ShardedState:
         self.gathers: ParamGathers = param_gathers(
             options, layout, self.flat, topology.shard_comm, watch, xp, self.place.kernel_kind
         )
+        self.params: Mapping = self.gathers.views(self.wait)  # gathers done first
 
     on_host = property(lambda self: self.place.on_host, doc="Whether a share is on the host.")
     masters = property(lambda self: self.place.masters, doc="The masters (None: fp32 params).")
@@ -144,6 +148,12 @@ class ShardedState:
             return
         self.masters.write(s, values["master"], param, values.get("param"))
 
+    def gathered(self, unit: str):
+        """A context giving unit ``unit``'s tensors by name: the gathers' (in flight ones
+        completed first). All ranks."""
+        self.wait()
+        return self.gathers.gathered(unit)
+
     def publish(self) -> None:
         """All-gather the parameters, blocking, after ``views`` were written; all ranks."""
         self.gathers.gather_all()
@@ -152,7 +162,10 @@ class ShardedState:
         """Broadcast rank 0's ``arrays`` (by name) into the parameters, bucket by bucket; fp32
         (or wider) values seed the fp32 masters at full precision. All ranks."""
         xp, layout, comm = self._xp, self.layout, self.topology.comm
-        staging = xp.zeros(max(b.size for b in layout.buckets), FP32) if self.mixed else None
+        whole = not isinstance(self.flat, OwnedParams)  # (else: this rank's shard alone)
+        staging = None
+        if self.mixed or not whole:
+            staging = xp.zeros(max(b.size for b in layout.buckets), FP32)
         for bucket in layout.buckets:
             span = slice(bucket.offset, bucket.offset + bucket.size)
             target = self.flat[span] if staging is None else staging[: bucket.size]
@@ -164,8 +177,9 @@ class ShardedState:
                         lo - t.offset : hi - t.offset
                     ]
             comm.bcast(target)
-            if self.mixed:
-                self.flat[span] = target.astype(self.dtype)
+            if staging is not None:
+                lo, hi = (span.start, span.stop) if whole else bucket.shard(self.shard_rank)
+                self.flat[lo:hi] = target[lo - span.start : hi - span.start].astype(self.dtype)
             if self.masters is not None:
                 lo, hi = bucket.shard(self.shard_rank)
                 piece = target[lo - bucket.offset : hi - bucket.offset]

@@ -8,6 +8,8 @@
   shard is summed across the groups.
 - ``param_gathers.py``: the parameters' all-gathers after the update (16-bit, or the 8-bit
   change).
+- ``unit_gathers.py``: stage 3's: each rank keeps its shard of the parameters, and a unit is
+  all-gathered into a working buffer while it is used (prefetched along the last step's order).
 
 A new wire format is a codec here, used by the exchange and the gathers.
 """

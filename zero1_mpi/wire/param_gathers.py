@@ -12,6 +12,7 @@ Methods that start or complete collectives: all ranks, the same arguments.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from typing import Any
@@ -19,9 +20,18 @@ from typing import Any
 import numpy as np
 
 from ..comm.watchdog import Watchdog
+from ..flat.views import Views
+from ..kernels import backend
 from .codec import packed_bytes
+from .unit_gathers import OwnedParams, UnitGathers
 
-__all__ = ["ParamGathers", "QuantizedGathers", "param_gathers", "check_gather_dtype"]
+__all__ = [
+    "ParamGathers",
+    "QuantizedGathers",
+    "param_gathers",
+    "param_buffer",
+    "check_gather_dtype",
+]
 
 
 class ParamGathers:
@@ -48,6 +58,17 @@ class ParamGathers:
     @property
     def scratch_bytes(self) -> int:
         return 0
+
+    def views(self, before_read=None) -> Views:
+        """The tensors by name as views of the parameter buffer (``before_read`` first)."""
+        return Views(self.layout, self._params, before_read)
+
+    @contextlib.contextmanager
+    def gathered(self, unit: str):
+        """The tensors of ``unit`` (``layout.units``) by name: every rank holds them all."""
+        names = self.layout.unit_named(unit).tensors
+        views = self.views()
+        yield {name: views[name] for name in names}
 
     def target(self, bucket):
         """Where the kernel writes this rank's new shard of ``bucket``."""
@@ -156,14 +177,24 @@ class QuantizedGathers(ParamGathers):
 
 
 def param_gathers(options, layout, params, shard_comm, watch: Watchdog, xp, kind: str):
-    """The all-gathers the checked ``options`` ask for (``gather_dtype``); a group of one rank
-    gathers nothing, so it sends no change either."""
+    """The all-gathers the checked ``options`` ask for (``gather_dtype``, ``shard_params``:
+    ``params`` an ``OwnedParams``); a group of one rank sends no change either."""
+    if options.shard_params:
+        return UnitGathers(layout, params, shard_comm, watch, xp)
     if options.gather_dtype == "int8" and shard_comm.size > 1:
         from .codec import codec_for
 
         largest = layout.largest_shard
         return QuantizedGathers(layout, params, shard_comm, watch, xp, codec_for(kind, largest))
     return ParamGathers(layout, params, shard_comm, watch)
+
+
+def param_buffer(options, layout, shard_rank: int, xp):
+    """Where this rank keeps the parameters: the full flat buffer (64-byte aligned on the
+    host), or with ``shard_params`` its shard alone (``OwnedParams``)."""
+    if options.shard_params:
+        return OwnedParams(layout, shard_rank, xp, options.param_dtype)
+    return backend.zeros(xp, layout.total, options.param_dtype)
 
 
 # -- the engine options this module owns (declared in config/options.py) ---------------
