@@ -12,6 +12,8 @@ inside its unit's block. Stages 1 and 2 run the same loop on the same units (the
   gradient shard in fp32 for 16-bit parameters, as stage 2 equals stage 1 so), and the
   ``StepInfo`` too; three micro-batches a step equal stage 2's; fp32 Adam and bf16 Adam are
   within the parity bound of the float64 reference on the averaged gradients.
+- ``layouts``: on those units, stage 3 equals stage 1 laid out without units bit for bit
+  (elementwise rules, every dtype, no clipping).
 - ``prefetch``: from the second step on, opening a unit leaves the next one of the last step's
   order in flight; a changed order (units swapped, one skipped, one opened twice) gives the
   same bits as stage 1; a unit held open across ``step()`` shows the new values after it; a
@@ -43,9 +45,9 @@ ARGS = parser.parse_args()
 STEPS = 5
 SHAPES = {"scalar": (), "empty": (0, 3), "vec": (7,), "mat": (5, 13), "long": (300,),
           "bias": (3,)}
-#: The units, in the order of ``kit.groups_of``' two groups (tensors of 2 or more dimensions,
-#: then the rest): uneven, "long" spanning several 64-element buckets.
-UNITS = {"matrices": ["empty", "mat"], "small": ["scalar", "vec"], "long": ["long"],
+#: The units: uneven, "long" spanning several 64-element buckets, two of them across
+#: ``kit.groups_of``' two param groups (tensors of 2 or more dimensions, then the rest).
+UNITS = {"mixed": ["mat", "vec"], "small": ["empty", "scalar"], "long": ["long"],
          "bias": ["bias"]}
 counts = {}
 
@@ -167,9 +169,9 @@ def prefetch():
     gathers = kit.param_gathers(ours)
     # from step 3 on, each order leaves the last one where a unit was prefetched: two units
     # swapped, one skipped, one opened twice
-    orders = {1: None, 2: None, 3: ["matrices", "long", "small", "bias"],
-              4: ["matrices", "small", "bias"], 5: ["matrices", "matrices", "small", "long",
-                                                    "bias"], 6: None}
+    orders = {1: None, 2: None, 3: ["mixed", "long", "small", "bias"],
+              4: ["mixed", "small", "bias"], 5: ["mixed", "mixed", "small", "long", "bias"],
+              6: None}
     for step, order in orders.items():
         seen = {}
         for unit in order or UNITS:
@@ -194,7 +196,8 @@ def prefetch():
     # "bias" (nested in the held block: not gathered again)
     check(gathers.in_flight == 0, "a prefetch left in flight after the step")
     units = list(UNITS)
-    expected = [units.index(u) for u in [*units, "bias", "long", "small", "matrices"]]
+    index = [u for u, _ in ours.options.units]  # (in the layout's order)
+    expected = [index.index(u) for u in [*units, "bias", "long", "small", "mixed"]]
     check(gathers.order == expected, f"the recorded order is {gathers.order}, not {expected}")
     ours.close()
     theirs.close()
@@ -243,7 +246,7 @@ def misuse():
     variant, options = adamw()
     opt = make(variant, options, "float32", 3)
     before = kit.snapshot(opt)
-    kit.raises(KeyError, "no unit 'nope': the units are 'matrices', 'small', 'long', 'bias'",
+    kit.raises(KeyError, "no unit 'nope': the units are 'small', 'mixed', 'long', 'bias'",
                lambda: opt.gathered("nope").__enter__())
     kit.raises(KeyError, "with shard_params=True a rank holds only its shard; read it inside "
                "`with opt.gathered('long') as p:`", lambda: opt.params["long"])
@@ -256,7 +259,7 @@ def misuse():
     kit.raises(ValueError, "shard_gradients=False with shard_params=True",
                lambda: kit.build(variant, kit.init_values(SHAPES), world, options,
                                  shard_params=True, shard_gradients=False))
-    kit.raises(ValueError, "units={'a': ['vec', 'long']}: unit 'a' is not consecutive",
+    kit.raises(ValueError, "units={'a': ['vec', 'long']}: tensor 'scalar' is in no unit",
                lambda: kit.build(variant, kit.init_values(SHAPES), world, options,
                                  units={"a": ["vec", "long"]}))
     opt.close()
@@ -289,6 +292,34 @@ def memory():
     counts["memory"] = "memory"
 
 
+def layouts():
+    """Stage 3 on units that reorder the tensors across the param groups equals stage 1 laid
+    out without units, bit for bit, for the elementwise rules (no clipping: the global norm's
+    sum follows the shards, which the units move)."""
+    cases = 0
+    for entry in kit.registry().values():
+        for variant, options in kit.variant_cases(entry):
+            if variant.tensor_sums:
+                continue  # (per-tensor sums over the pieces: the same, up to their order)
+            for dtype in kit.DTYPES:
+                ours = make(variant, options, dtype, 3, max_grad_norm=None, loss_scale=8.0)
+                plain = make(variant, options, dtype, 1, units=None, max_grad_norm=None,
+                             loss_scale=8.0)
+                for step in range(1, STEPS + 1):
+                    forward(ours)
+                    backward(ours, grads_of(rank, step))
+                    kit.hand_over(plain, grads_of(rank, step))
+                    a, b = ours.step(), plain.step()  # (the norm's sum follows the shards)
+                    check(a.skipped == b.skipped and abs(a.grad_norm - b.grad_norm)
+                          <= 1e-5 * b.grad_norm, f"step {step}: {a} vs {b}")
+                same(full_params(ours), kit.params_of(plain),
+                     f"{variant.settings()} {dtype}: units across groups vs no units")
+                ours.close()
+                plain.close()
+                cases += 1
+    counts["layouts"] = f"{cases} against the plain layout"
+
+
 def hierarchical():
     """Shard groups of 2 (N even): units gathered within a group, the gradient shard summed
     across the groups; stage 3 equals stages 2 and 1 bit for bit."""
@@ -298,7 +329,7 @@ def hierarchical():
     counts["hierarchical"] = "shard_group_size=2"
 
 
-TABLE = {"rules": rules, "prefetch": prefetch, "checkpoints": lambda: checkpoints(ARGS.directory),
+TABLE = {"rules": rules, "layouts": layouts, "prefetch": prefetch, "checkpoints": lambda: checkpoints(ARGS.directory),
          "misuse": misuse, "memory": memory, "hierarchical": hierarchical}
 
 if __name__ == "__main__":

@@ -355,9 +355,10 @@ OPTIONS = (
         "dict | None",
         None,
         _units,
-        doc="the units: a mapping unit name -> its tensors' names, consecutive in the "
-        "parameters' order; each unit starts a bucket and is padded to whole shards, so "
-        "that it is gathered (stage 3) in one go. None: with ``shard_params``, the "
+        doc="the units: a mapping unit name -> its tensors' names (each tensor in one unit, "
+        "from any param groups); the tensors are laid out unit by unit, each unit "
+        "starting a bucket and padded to whole shards, so that it is gathered (stage 3) "
+        "in one go. None: with ``shard_params``, the "
         "tensors that share a name up to its last ``.``; else no units. "
         "``opt.options.units`` holds them, as ``(unit, tensors)`` pairs.",
         values=Values("units", none=True, other={"all": ["w", "b"]}),

@@ -1,13 +1,13 @@
 """Where every tensor lives in the flat buffers, and which slice each rank owns.
 
-Pure data: no arrays, no MPI. Tensors are packed back to back, in order, into one flat range
-cut into buckets (the unit of communication) padded to multiples of ``group_size * align``
-elements (``group_size``: the ranks the state is sharded over), each bucket cut into
-``group_size`` equal contiguous shards, so one count serves every rank in
-``Reduce_scatter_block`` / ``Allgather``. Tensors may straddle shards and buckets (as in
-Megatron-LM and DeepSpeed). ``units`` (runs of tensors gathered together, stage 3) each begin a
-bucket and end padded; checkpoints record ``packed`` positions (a flat position less the
-padding before it: the same in every layout). ``Layout.fingerprint`` lets ranks compare.
+Pure data: no arrays, no MPI. Tensors are placed back to back (unit by unit, where ``units``
+group them: runs of tensors gathered together in stage 3, each beginning a bucket and ending
+padded) into one flat range cut into buckets (the unit of communication) of multiples of
+``group_size * align`` elements, each bucket into ``group_size`` equal contiguous shards, so one
+count serves every rank in ``Reduce_scatter_block`` / ``Allgather``; tensors may straddle
+shards and buckets (as in Megatron-LM and DeepSpeed). A tensor's ``packed`` position (back to
+back in the order given) and param group are its own, whatever the units: checkpoints record
+packed positions. ``Layout.fingerprint`` lets ranks check that they built the same layout.
 """
 
 from __future__ import annotations
@@ -39,12 +39,20 @@ DEFAULT_BUCKET_ELEMENTS = 1 << 22
 
 @dataclass(frozen=True)
 class TensorSlot:
-    """One named tensor: ``numel`` elements at ``offset`` of the flat buffer."""
+    """One named tensor: ``numel`` elements at ``offset`` of the flat buffer; ``packed``: its
+    position with the tensors back to back in the order given (the same in every layout of
+    them), ``group``: its param group's index."""
 
     name: str
     shape: tuple[int, ...]
     offset: int
     numel: int
+    packed: int = -1
+    group: int = 0
+
+    def __post_init__(self):
+        if self.packed < 0:
+            object.__setattr__(self, "packed", self.offset)
 
 
 @dataclass(frozen=True)
@@ -56,14 +64,8 @@ class Bucket:
     used: int
     size: int
     group_size: int
-    #: The packed position of the bucket's first element (``offset`` without units).
-    packed: int = -1
     #: The unit this bucket belongs to (0 without units: one unit of every bucket).
     unit: int = 0
-
-    def __post_init__(self):
-        if self.packed < 0:
-            object.__setattr__(self, "packed", self.offset)
 
     @property
     def shard_size(self) -> int:
@@ -98,17 +100,20 @@ class Unit:
 
 @dataclass(frozen=True)
 class Layout:
-    """The tensors, the buckets and the param groups' flat ranges, for ``group_size`` shards."""
+    """The tensors (in flat order) and the buckets, for ``group_size`` shards."""
 
     tensors: tuple[TensorSlot, ...]
     buckets: tuple[Bucket, ...]
     group_size: int
     align: int
     dtype: str
-    #: Flat ``(start, stop)`` of each param group: consecutive, covering ``[0, total)``.
-    groups: tuple[tuple[int, int], ...] = ()
     #: The units, in order (empty: the tensors packed back to back, no unit given).
     units: tuple[Unit, ...] = ()
+
+    @property
+    def given_order(self) -> tuple[TensorSlot, ...]:
+        """The tensors in the order given (by ``packed``): what checkpoints record."""
+        return tuple(sorted(self.tensors, key=lambda t: t.packed))
 
     @property
     def numel(self) -> int:
@@ -146,13 +151,11 @@ class Layout:
         """``(tensor index, param group index, a, b)`` for each piece ``[a, b)`` of a tensor in
         ``rank``'s shard of ``bucket`` (positions within the shard; padding left out)."""
         lo, hi = bucket.shard(rank)
-        starts = [group_lo for group_lo, _ in self.groups]
         pieces = []
         for index, t in enumerate(self.tensors):
             a, b = max(lo, t.offset), min(hi, t.offset + t.numel)
             if a < b:
-                group = sum(start <= t.offset for start in starts) - 1
-                pieces.append((index, group, a - lo, b - lo))
+                pieces.append((index, t.group, a - lo, b - lo))
         return pieces
 
     def owned_real(self, rank: int) -> int:
@@ -171,13 +174,18 @@ class Layout:
 
     def owned_packed(self, rank: int) -> list[tuple[int, int, int, int]]:
         """``owned(rank)`` in packed positions: ``(packed start, packed stop, state_start,
-        flat start)`` of each range (with no unit, packed and flat positions are one)."""
-        ranges = []
+        flat start)`` of each run of an owned range whose packed positions follow each other
+        (without units, the owned ranges, where packed and flat positions are one)."""
+        runs: list[list[int]] = []
         for start, stop, state in self.owned(rank):
-            bucket = self.buckets[self.bucket_at(start)]
-            packed = bucket.packed + start - bucket.offset
-            ranges.append((packed, packed + stop - start, state, start))
-        return ranges
+            first = len(runs)
+            for t, lo, hi in sorted(self.pieces(start, stop), key=lambda piece: piece[1]):
+                packed = t.packed + lo - t.offset
+                if len(runs) > first and runs[-1][1] == packed:  # (flat: they follow)
+                    runs[-1][1] = packed + hi - lo
+                else:
+                    runs.append([packed, packed + hi - lo, state + lo - start, lo])
+        return [(a, b, c, d) for a, b, c, d in runs]
 
     def unit_named(self, name: str) -> Unit:
         """The unit called ``name``, or a KeyError naming the units there are."""
@@ -205,9 +213,8 @@ class Layout:
                 self.group_size,
                 self.align,
                 self.dtype,
-                [(t.name, t.shape, t.offset) for t in self.tensors],
+                [(t.name, t.shape, t.offset, t.packed, t.group) for t in self.tensors],
                 [(b.offset, b.used, b.size) for b in self.buckets],
-                self.groups,
                 [(u.name, u.first, u.stop) for u in self.units],
             )
         )
@@ -226,9 +233,9 @@ def check_bucket_elements(value) -> int:
 
 def check_units(units, names) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
     """``units`` (None, or a mapping unit name -> the names of its tensors) as
-    ``((unit, tensors), ...)`` in order, checked against ``names`` (the tensors, in order):
-    each tensor in exactly one unit, a unit's tensors consecutive in that order; else a
-    ValueError naming the unit or tensor and the fix."""
+    ``((unit, tensors), ...)``, checked against ``names`` (the tensors, in order): each tensor
+    in exactly one unit; else a ValueError naming the unit or tensor and the fix. The units
+    come in the order of their first tensor, their tensors in ``names``' order."""
     if units is None:
         return None
     if not isinstance(units, Mapping) or not units:
@@ -261,13 +268,6 @@ def check_units(units, names) -> tuple[tuple[str, tuple[str, ...]], ...] | None:
                 )
             seen[name] = unit
         positions = sorted(order[n] for n in members)
-        if positions != list(range(positions[0], positions[0] + len(members))):
-            gap = names[next(p for p, q in zip(range(positions[0], 10**9), positions) if p != q)]
-            raise ValueError(
-                f"{head}: unit {unit!r} is not consecutive in the parameters' order ({gap!r} "
-                "comes between its tensors): order the parameters (and param groups) so "
-                "that each unit's tensors follow each other"
-            )
         checked.append((unit, tuple(names[p] for p in positions)))
     missing = [n for n in names if n not in seen]
     if missing:
@@ -308,36 +308,34 @@ def build_layout(
     quantum = group_size * align
     bucket_size = math.ceil(bucket_elements / quantum) * quantum
     names = list(shapes)
+    counts = [len(names)] if param_group_tensors is None else list(param_group_tensors)
+    if sum(counts) != len(names) or min(counts, default=0) < 0:
+        raise ValueError(f"param_group_tensors={counts!r} must count the {len(names)} tensors")
+    group_of = [g for g, count in enumerate(counts) for _ in range(count)]
+    packed_at = list(itertools.accumulate((math.prod(shapes[n]) for n in names), initial=0))
+    index = {name: i for i, name in enumerate(names)}
     grouped = check_units(units, names)
     runs = grouped or (("", tuple(names)),)
 
     tensors: list[TensorSlot] = []
     buckets: list[Bucket] = []
     unit_list: list[Unit] = []
-    offset = packed = 0
+    offset = 0
     for u, (unit, members) in enumerate(runs):
         start, first = offset, len(buckets)
         for name in members:
+            i = index[name]
             numel = math.prod(shapes[name])
-            tensors.append(TensorSlot(name, tuple(shapes[name]), offset, numel))
+            slot = TensorSlot(name, tuple(shapes[name]), offset, numel, packed_at[i], group_of[i])
+            tensors.append(slot)
             offset += numel
         used_total = offset - start
         total = max(1, math.ceil(used_total / quantum)) * quantum
         for at in range(start, start + total, bucket_size):
             size = min(bucket_size, start + total - at)
             used = max(0, min(start + used_total - at, size))
-            buckets.append(Bucket(len(buckets), at, used, size, group_size, packed, u))
-            packed += used
+            buckets.append(Bucket(len(buckets), at, used, size, group_size, u))
         offset = start + total
         unit_list.append(Unit(unit, members, first, len(buckets)))
-    counts = [len(tensors)] if param_group_tensors is None else list(param_group_tensors)
-    if sum(counts) != len(tensors) or min(counts, default=0) < 0:
-        raise ValueError(f"param_group_tensors={counts!r} must count the {len(tensors)} tensors")
-    bounds, first = [0], 0
-    for count in counts[:-1]:
-        first += count
-        bounds.append(tensors[first].offset if first < len(tensors) else offset)
-    bounds.append(offset)  # the padding belongs to the group before it
-    groups = tuple(itertools.pairwise(bounds))
     kept_units = tuple(unit_list) if grouped is not None else ()
-    return Layout(tuple(tensors), tuple(buckets), group_size, align, dtype, groups, kept_units)
+    return Layout(tuple(tensors), tuple(buckets), group_size, align, dtype, kept_units)

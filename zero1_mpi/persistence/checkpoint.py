@@ -309,9 +309,9 @@ def _manifest(comm, state, counters) -> dict:
         "numel": state.layout.numel,
         "rule": state.rule.name,
         "rows": list(state.rows),
-        "tensors": [
-            {"name": t.name, "shape": list(t.shape), "offset": t.offset}
-            for t in state.layout.tensors
+        "tensors": [  # in the order given, at their packed positions (any layout's)
+            {"name": t.name, "shape": list(t.shape), "offset": t.packed}
+            for t in state.layout.given_order
         ],
         "param_groups": [group_record(g, state.rule) for g in counters.param_groups],
         "rule_settings": state.rule.settings(),

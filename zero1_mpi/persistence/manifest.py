@@ -269,7 +269,7 @@ def warn_old_names(where, renamed: dict) -> None:
 
 def check_compatible(state, manifest: dict, ckpt: Path) -> None:
     """The checkpoint must hold the same tensors, dtype, rule and rows as ``state``."""
-    mine = [(t.name, list(t.shape)) for t in state.layout.tensors]
+    mine = [(t.name, list(t.shape)) for t in state.layout.given_order]
     theirs = [(t["name"], list(t["shape"])) for t in manifest["tensors"]]
     if mine != theirs:
         if len(mine) != len(theirs):
@@ -302,7 +302,7 @@ def fingerprint(state, param_groups, saved_as: dict | None = None) -> str:
     name = (saved_as or {}).get
     text = repr(
         (
-            [(name(t.name, t.name), t.shape) for t in state.layout.tensors],
+            [(name(t.name, t.name), t.shape) for t in state.layout.given_order],
             state.dtype.name,
             [[name(n, n) for n in g["names"]] for g in param_groups],
         )

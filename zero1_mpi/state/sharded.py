@@ -85,7 +85,7 @@ class ShardedState:
         self._ranges = [
             [(g, a, b) for _, g, a, b in pieces]
             if self.state_dtype == "int8"
-            else [(g, *self._group_range(part, g)) for g in range(len(layout.groups))]
+            else _group_runs(part, pieces)
             for part, pieces in zip(self.parts, self._part_pieces)
         ]
         #: The most elements one kernel call takes (remainder masters: a cache-sized chunk).
@@ -280,13 +280,6 @@ class ShardedState:
                 kernel(grads[c - part.a : d - part.a], master, *states, param, scalars[group])
                 self._stored(bucket, c, d, master, param, states)
 
-    def _group_range(self, part, group: int) -> tuple[int, int]:
-        """``[a, b)``: param group ``group``'s range of ``part`` (empty: ``a >= b``), in
-        positions of the bucket's shard."""
-        lo = part.bucket.shard(self.shard_rank)[0]
-        group_lo, group_hi = self.layout.groups[group]
-        return max(lo + part.a, group_lo) - lo, min(lo + part.b, group_hi) - lo
-
     def _calls(self, a: int, b: int):
         """``[a, b)`` cut into the ranges of one elementwise kernel call each (the bits do
         not depend on the cut)."""
@@ -324,6 +317,19 @@ class ShardedState:
             for pieces in all_pieces
             for index, group, _, _ in pieces
         }
+
+
+def _group_runs(part, pieces) -> list[tuple[int, int, int]]:
+    """``(param group, a, b)``: ``part``'s tensor pieces (``(tensor, group, a, b)``, in order)
+    merged where they follow each other in one group, each clipped to the part."""
+    runs: list[list[int]] = []
+    for _, group, a, b in pieces:
+        a, b = max(a, part.a), min(b, part.b)
+        if runs and runs[-1][0] == group and runs[-1][2] == a:
+            runs[-1][2] = b
+        elif a < b:
+            runs.append([group, a, b])
+    return [(g, a, b) for g, a, b in runs]
 
 
 def sharded_state(options, layout, topology, rule, xp, watch, counters, kernels) -> ShardedState:
