@@ -33,7 +33,8 @@ losses (``--crash-at-step K`` makes the last rank SIGKILL itself at step K, to t
 weights themselves: there is no fp32 master to compare with). ``--plot FILE`` draws the loss
 and tokens/s per step (needs matplotlib); ``--reference fused`` (one rank) trains it with
 ``torch.optim.AdamW(fused=True)`` in one process, the tokens/s to compare with.
-``--device cuda`` trains on the GPUs (a rank per GPU by node-local rank, round-robin; the
+``--stage 2`` shards the gradients too, ``--stage 3`` the parameters as well (each module's
+gathered while it runs, freed after; docs/stage3.md). ``--device cuda`` trains on the GPUs (a rank per GPU by node-local rank, round-robin; the
 parameters and gradients are DLPack views of CuPy buffers). ``--sample N`` prints N generated
 characters at the end. Rank 0 prints the loss every ``--log-every`` steps and, last, all the
 losses as ``losses: [...]`` (JSON) for scripts.
@@ -80,6 +81,9 @@ parser.add_argument("--error-feedback", action="store_true",
                     help="with --reduce-dtype int8: carry what quantizing drops to the next step")
 parser.add_argument("--masters", default="auto", choices=["auto", "fp32", "remainder"],
                     help="how bf16 parameters' fp32 masters are kept (auto: 16-bit remainders)")
+parser.add_argument("--stage", type=int, default=1, choices=[1, 2, 3],
+                    help="ZeRO stage: 1 (overlap=True), 2 (gradients sharded too), 3 "
+                    "(parameters too: each module's gathered while it runs, docs/stage3.md)")
 parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
                     help="how Adam's moments are kept (bfloat16: rounded stochastically; "
                     "int8: blockwise 8-bit)")
@@ -241,11 +245,15 @@ def setup_zero1(model):
     # order of backward: the no-decay group (with the token embedding, whose gradient is final
     # only at the very end of backward, after the head's and the lookup's are summed) goes first.
     groups = decay_groups(dict(model.named_parameters()), args.weight_decay, no_decay)[::-1]
+    # Stage 3: each block a unit; the embeddings and the last LayerNorm in the root unit,
+    # gathered for the whole step (the tied head reads wte.weight outside wte's forward).
+    stage = {1: {"overlap": True}, 2: {"shard_gradients": True},
+             3: {"shard_params": True, "units": list(model.blocks)}}[args.stage]
     opt = ZeroOptimizer(groups, "adamw", comm, module=model, lr=args.lr, betas=(0.9, 0.95),
-                        max_grad_norm=MAX_NORM, param_dtype=args.dtype, overlap=True,
+                        max_grad_norm=MAX_NORM, param_dtype=args.dtype,
                         reduce_dtype=args.reduce_dtype, gather_dtype=args.gather_dtype,
                         error_feedback=args.error_feedback, masters=args.masters,
-                        state_dtype=args.state_dtype)
+                        state_dtype=args.state_dtype, **stage)
     # step(): averages over ranks, clips, updates, zeroes the grads. (Looked up at each call:
     # an LR scheduler wraps opt.step.)
     return opt, lambda: opt.step()
@@ -295,7 +303,7 @@ def lr_factor(step):
 model = make_model()
 n_params = sum(p.numel() for p in model.parameters())
 tokens_per_step = args.batch * args.context * size
-print0(f"gpt_torch: world_size={size} dtype={args.dtype} params={n_params} "
+print0(f"gpt_torch: world_size={size} stage={args.stage} dtype={args.dtype} params={n_params} "
        f"layers={args.layers} dim={args.dim} heads={args.heads} context={args.context} "
        f"batch={args.batch}/rank ({tokens_per_step} tokens/step) vocab={VOCAB} "
        f"text=pydoc_data.topics ({len(TEXT)} chars) device={args.device} "
@@ -355,6 +363,8 @@ print0(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; {np.median(tail):.0f} tokens/
 if rank == 0 and args.losses:
     Path(args.losses).write_text(json.dumps({"args": vars(args), "losses": losses}) + "\n")
 
+if args.sample and args.stage == 3 and args.reference == "none":
+    opt.unbind()  # every rank: the full parameters back in the model, for rank 0 to sample
 if rank == 0 and args.sample:
     with torch.no_grad():
         generator = torch.Generator().manual_seed(args.seed)

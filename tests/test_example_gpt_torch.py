@@ -146,3 +146,16 @@ def test_state_modes_through_the_torch_binding():
         got = losses(out)
         assert got[-1] < got[0] - 0.5, (dtype, got)
         assert abs(sum(got[-5:]) - sum(fp32[-5:])) / sum(fp32[-5:]) < 0.05, (dtype, got, fp32)
+
+
+@pytest.mark.mpi_independent  # (stage 3's numerics: tests/cases/torch_stage3.py)
+def test_stage3_trains_the_gpt_as_stage2_does():
+    """``--stage 3`` (each block a unit, the tied embedding in the root unit; the sample drawn
+    after ``unbind()``): the losses of ``--stage 2`` within the rounding of the clipping norm's
+    sum, which the units' layout changes."""
+    _, out = run("--steps", "12", "--stage", "2")
+    stage2 = losses(out)
+    _, out = run("--steps", "12", "--stage", "3", "--sample", "5")
+    stage3 = losses(out)
+    assert "stage=3 " in out and "sample:" in out, out
+    assert max(abs(a - b) for a, b in zip(stage2, stage3)) < 1e-3, (stage2, stage3)

@@ -39,7 +39,8 @@ from zero1_mpi.cli.memory import main
 # bindings not at all: they start MPI); every other module imports neither torch nor
 # transformers (JAX's take JAX where it is installed, and import without it)
 needs = {"zero1_mpi.torch": None, "zero1_mpi.transformers": None, "zero1_mpi.memory.__main__": None,
-         "zero1_mpi.bindings.torch_binding": "torch", "zero1_mpi.bindings.torch_compat": "torch"}
+         "zero1_mpi.bindings.torch_binding": "torch", "zero1_mpi.bindings.torch_compat": "torch",
+         "zero1_mpi.bindings.torch_units": "torch"}
 for module in pkgutil.walk_packages(zero1_mpi.__path__, "zero1_mpi."):
     if module.name not in needs:
         __import__(module.name)

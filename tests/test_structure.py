@@ -26,7 +26,8 @@ def needs_framework(name):
     """zero1_mpi.torch imports torch, zero1_mpi.transformers transformers too, which only their
     users install: skip them without."""
     if name in ("zero1_mpi.torch", "zero1_mpi.bindings.torch_compat",
-                "zero1_mpi.bindings.torch_binding", "zero1_mpi.transformers"):
+                "zero1_mpi.bindings.torch_binding", "zero1_mpi.bindings.torch_units",
+                "zero1_mpi.transformers"):
         pytest.importorskip("torch")
     if name == "zero1_mpi.transformers":
         pytest.importorskip("transformers")
@@ -119,7 +120,8 @@ LAYERS = (
     ("the optimizers", {"rules.adam", "rules.lamb", "rules.lion", "rules.sgd",
                         "rules.registry"}),
     ("the package, bindings and tools", {
-        "", "bindings.common", "torch", "bindings.torch_compat", "bindings.torch_binding", "jax",
+        "", "bindings.common", "torch", "bindings.torch_compat", "bindings.torch_binding",
+        "bindings.torch_units", "jax",
         "bindings.jax_params",
         "cli.memory", "memory.__main__"}),
     ("integrations of the bindings", {"transformers"}),

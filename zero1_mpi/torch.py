@@ -16,12 +16,13 @@ import inspect
 import weakref
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from .bindings.common import PassThrough, optimizer_class
 from .bindings.torch_binding import (
     Binding,
+    as_array,
+    as_tensor,
     binding_problem,
     check_unbound,
     install_hooks,
@@ -40,6 +41,7 @@ from .bindings.torch_compat import (
     push_groups,
     torch_options,
 )
+from .bindings.torch_units import NoUnits, UnitHooks, plan_units
 from .engine import ShardedOptimizer
 
 __all__ = ["ZeroOptimizer", "as_array", "as_tensor"]
@@ -52,30 +54,6 @@ STATE_DICT_HELP = (
     "size; all ranks), or opt.save_consolidated(file) / opt.load_consolidated(file)"
     " (the full fp32 state by parameter name in one safetensors file; all ranks)"
 )
-
-
-def as_array(tensor):
-    """A NumPy (CPU; bfloat16 through ``ml_dtypes``) or CuPy (CUDA, DLPack) array sharing
-    ``tensor``'s memory."""
-    tensor = tensor.detach()
-    if tensor.is_cuda:
-        import cupy
-
-        return cupy.from_dlpack(tensor)
-    if tensor.dtype == torch.bfloat16:  # NumPy knows bf16 only through ml_dtypes
-        import ml_dtypes
-
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-def as_tensor(array):
-    """A torch tensor sharing the NumPy or CuPy ``array``'s memory (DLPack for CuPy)."""
-    if not isinstance(array, np.ndarray):
-        return torch.from_dlpack(array)
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
 
 
 class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
@@ -112,6 +90,9 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             parameter hands it over to its bucket and sets it to None (a parameter without a
             gradient in a backward is handed over as zeros when that backward ends), and every
             micro-batch's backward reduces its buckets (``no_sync()`` changes nothing).
+            ``shard_params=True`` (stage 3, docs/stage3.md; needs the module): each unit
+            (``units=[blocks]``, else each module owning parameters) gathered for its
+            module's forward and backward, freed (``.data`` empty) in between.
     """
 
     def __init__(
@@ -135,6 +116,7 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         named = {name: p for group in groups for name, p in group["params"].items()}
         check_unbound(named)
         cls = optimizer_class(rule)
+        units = plan_units(module, named, options, overlap)  # (stage 3's; options["units"])
         options = torch_options(cls, options)
         use_device_of(named)
         arrays = [
@@ -148,16 +130,22 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         #: Stage 2 (``shard_gradients=True``): each ``.grad`` is handed over and dropped.
         self.sharded_gradients = sharded.grad_shard_dtype is not None
         self._end_queued = False  # the end-of-backward callback (stage 2)
-        # name -> (parameter, its data pointer, its .grad view, pointer)
+        self._shapes = {name: tuple(p.shape) for name, p in named.items()}
+        # name -> (parameter, its data pointer (None: stage 3's moves), its .grad view, pointer)
         self._binding: Binding = {}
         for name, p in named.items():  # from here on the model reads and writes the buffers
-            p.data = as_tensor(sharded.params[name])
+            if not sharded.options.shard_params:
+                p.data = as_tensor(sharded.params[name])
             grad = None if self.sharded_gradients else as_tensor(sharded.grads[name])
             p.grad = grad
-            self._binding[name] = (p, p.data_ptr(), grad, grad is not None and grad.data_ptr())
+            ptr = None if sharded.options.shard_params else p.data_ptr()
+            self._binding[name] = (p, ptr, grad, grad is not None and grad.data_ptr())
             setattr(p, OWNER, weakref.ref(self))
         BOUND.add(self)
         self._hooks = install_hooks(self, named, module, overlap, self.sharded_gradients)
+        #: Stage 3's hooks that gather and free each unit (``NoUnits`` in stages 1 and 2).
+        self.unit_hooks = NoUnits() if units is None else UnitHooks(self, module, named, *units)
+        self._hooks += self.unit_hooks.handles
         rule_options = sharded.rule.options
         self._building = True
         super().__init__(
@@ -285,12 +273,15 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         step. Another ``ZeroOptimizer`` may then bind them. The core's communicators and
         buffers stay until it is collected: ``close()`` unbinds and frees them."""
         self.wait()
+        held = self.unit_hooks.gather_all()
         for handle in self._hooks:
             handle.remove()
         for p, _, _, _ in self._binding.values():
             p.data = p.data.clone()
             p.grad = None
             delattr(p, OWNER)
+        for unit in held:  # (the parameters hold their copies now)
+            self.unit_hooks.release(unit, free=False)
         unbound: Any = None  # no more steps: close() takes the core from _unbound
         self._hooks, self._binding = [], {}
         BOUND.discard(self)
@@ -341,12 +332,14 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
         p = self._binding[name][0]
         self.sharded.add_grad(name, as_array(p.grad))
         p.grad = None
+        self.unit_hooks.handed(name)
 
     def _end_of_backward(self) -> None:
         self._end_queued = False
         for name in self.sharded.missing_grads():
             p = self._binding[name][0]
-            self.sharded.add_grad(name, as_array(torch.zeros_like(p)))
+            self.sharded.add_grad(name, as_array(p.new_zeros(self._shapes[name])))
+        self.unit_hooks.end_of_backward()
 
     def _grad_ready(self, name: str) -> None:
         """The post-accumulate-grad hook (``overlap``): the gradient of ``name`` is final for

@@ -7,6 +7,7 @@
   clipping) to and from the core.
 - ``torch_binding.py``: the torch binding's checks (before binding and at each step) and its
   autograd and module hooks.
+- ``torch_units.py``: stage 3's units of a module tree and the hooks that gather and free them.
 - ``jax_params.py``: a pytree of parameters made into the core's named groups.
 - ``optax_names.py``: optax's names of the rules' options.
 - ``schedules.py``: learning-rate schedules kept beside the core's param groups.

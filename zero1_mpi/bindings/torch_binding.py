@@ -1,20 +1,24 @@
 """How ``zero1_mpi.torch.ZeroOptimizer`` binds torch parameters to its buffers, apart from the
-binding itself: the checks before it (each parameter bound to no other optimizer, all on one
-device, CUDA made CuPy's current one), the autograd and module hooks (weak: a dropped optimizer
-does not live on in its model), and the checks at each step (a ``.grad`` set to None or replaced
-put back; a parameter that left the buffers found, for the step to raise on every rank)."""
+binding itself: tensors and arrays sharing memory (``as_array``, ``as_tensor``), the checks
+before it (each parameter bound to no other optimizer, all on one device, CUDA made CuPy's
+current one), the autograd and module hooks (weak: a dropped optimizer does not live on in its
+model), and the checks at each step (a ``.grad`` set to None or replaced put back; a parameter
+that left the buffers found, for the step to raise on every rank)."""
 
 from __future__ import annotations
 
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from .torch_compat import OWNER
 
 __all__ = [
     "Binding",
+    "as_array",
+    "as_tensor",
     "check_unbound",
     "use_device_of",
     "install_hooks",
@@ -23,8 +27,33 @@ __all__ = [
     "binding_problem",
 ]
 
+
+def as_array(tensor):
+    """A NumPy (CPU; bfloat16 through ``ml_dtypes``) or CuPy (CUDA, DLPack) array sharing
+    ``tensor``'s memory."""
+    tensor = tensor.detach()
+    if tensor.is_cuda:
+        import cupy
+
+        return cupy.from_dlpack(tensor)
+    if tensor.dtype == torch.bfloat16:  # NumPy knows bf16 only through ml_dtypes
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def as_tensor(array):
+    """A torch tensor sharing the NumPy or CuPy ``array``'s memory (DLPack for CuPy)."""
+    if not isinstance(array, np.ndarray):
+        return torch.from_dlpack(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
 #: name -> (the parameter, its data pointer, its ``.grad`` view or None, that view's pointer).
-Binding = dict[str, tuple[Any, int, Any, Any]]
+Binding = dict[str, tuple[Any, int | None, Any, Any]]
 
 
 def check_unbound(named: dict) -> None:
@@ -119,7 +148,7 @@ def binding_problem(binding: Binding, module: torch.nn.Module | None) -> str | N
     """A message if a bound parameter no longer lives in the flat buffers, or ``module`` holds
     a new tensor in its place."""
     for name, (p, data_ptr, grad, grad_ptr) in binding.items():
-        if p.data_ptr() != data_ptr or (
+        if (data_ptr is not None and p.data_ptr() != data_ptr) or (
             grad is not None
             and (p.dtype != grad.dtype or p.device != grad.device or grad.data_ptr() != grad_ptr)
         ):

@@ -92,12 +92,6 @@ def torch_options(cls, options: dict) -> dict:
         for name, p in inspect.signature(cls).parameters.items()
         if name not in ("params", "comm") and p.kind is not p.VAR_KEYWORD
     ]
-    if options.get("shard_params"):
-        raise ValueError(
-            f"ZeroOptimizer({cls.__name__}): shard_params=True is not supported by the PyTorch "
-            "binding yet (its module hooks are to come): use shard_gradients=True (stage 2), or "
-            "the NumPy API's opt.gathered(unit); see docs/stage3.md"
-        )
     kept = {}
     for name, value in options.items():
         neutral = _NEUTRAL.get(name, ())

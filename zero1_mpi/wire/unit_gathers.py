@@ -149,18 +149,39 @@ class UnitGathers:
         """``with gathered("block3") as p:`` ``p[name]``: the unit's full tensors (read-only
         views of a working buffer) until the block ends; all ranks, the same units in the same
         order."""
+        views = self.acquire(unit)
+        try:
+            yield views
+        finally:
+            self.release(unit)
+
+    def acquire(self, unit: str, writable: bool = False) -> dict:
+        """Unit ``unit`` gathered (or, open already, one more user of it): its tensors by name,
+        read-only views of its working buffer (``writable``: views that a framework binding
+        may wrap). Each ``acquire`` is ended by a ``release``; all ranks, in the same order."""
         index = self._index(unit)
         entry = self._open.get(index)
         if entry is None:
             entry = self._acquire(index)
         entry.users += 1
-        try:
-            yield entry.views
-        finally:
-            entry.users -= 1
-            if entry.users == 0 and self._open.get(index) is entry:
-                del self._open[index]
-                self._pool.append(entry.buffer)
+        if not writable:
+            return entry.views
+        start = self.layout.buckets[self.layout.units[index].first].offset
+        return {
+            t.name: entry.buffer[t.offset - start : t.offset - start + t.numel].reshape(t.shape)
+            for t in self._tensors[index]
+        }
+
+    def release(self, unit: str) -> None:
+        """One user of ``unit`` done; the last gives its working buffer back to the pool."""
+        index = self._index(unit)
+        entry = self._open.get(index)
+        if entry is None:
+            raise RuntimeError(f"release({unit!r}): the unit is not gathered")
+        entry.users -= 1
+        if entry.users == 0:
+            del self._open[index]
+            self._pool.append(entry.buffer)
 
     # -- internals -------------------------------------------------------------------------
 
