@@ -18,10 +18,10 @@ from zero1_mpi.wire.unit_gathers import OwnedParams, default_units
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_stage3_equals_stages_1_and_2_on_n_ranks(n, tmp_path):
-    out = run_mpi(n, "stage3.py", str(tmp_path), "rules", "layouts", "prefetch", "checkpoints",
-                  "misuse", "memory", timeout=300).stdout
+    out = run_mpi(n, "stage3.py", str(tmp_path), "rules", "layouts", "features", "prefetch",
+                  "checkpoints", "misuse", "memory", timeout=300).stdout
     assert f"OK stage 3 on {n} ranks: 22 rule/dtype cases, 15 against the plain layout, " \
-           "prefetch, checkpoints across the stages, misuse, memory" in out, out
+           "3 features, prefetch, checkpoints across the stages, misuse, memory" in out, out
 
 
 def test_stage3_with_hierarchical_sharding(tmp_path):

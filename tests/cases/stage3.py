@@ -14,6 +14,8 @@ inside its unit's block. Stages 1 and 2 run the same loop on the same units (the
   within the parity bound of the float64 reference on the averaged gradients.
 - ``layouts``: on those units, stage 3 equals stage 1 laid out without units bit for bit
   (elementwise rules, every dtype, no clipping).
+- ``features``: fp16 with dynamic loss scaling and a planted overflow, the 8-bit gradient wire
+  with error feedback (as stage 2), one staging bucket.
 - ``prefetch``: from the second step on, opening a unit leaves the next one of the last step's
   order in flight; a changed order (units swapped, one skipped, one opened twice) gives the
   same bits as stage 1; a unit held open across ``step()`` shows the new values after it; a
@@ -65,6 +67,7 @@ def make(variant, options, dtype, stage, on=world, **engine):
         engine["shard_gradients"] = True
     else:
         engine.pop("grad_shard_dtype", None)
+        engine.pop("grad_staging", None)  # (stage 2's and 3's alone)
     if stage == 3:
         engine["shard_params"] = True
     return kit.build(variant, params, on, options, param_dtype=dtype, **engine)
@@ -98,9 +101,10 @@ def same(a: dict, b: dict, where: str) -> None:
         check(kit.same_bits(a[k], b[k]), f"{where}: {k!r} differs")
 
 
-def bitwise(variant, options, dtype, micro_batches=1, **engine):
-    """Stage 3 against stages 2 and 1 (with ``micro_batches`` > 1: stage 2 alone)."""
-    stages = (3, 2) if micro_batches > 1 else (3, 2, 1)
+def bitwise(variant, options, dtype, micro_batches=1, stages=None, plant=None, **engine):
+    """Stage 3 against stages 2 and 1 (with ``micro_batches`` > 1: stage 2 alone);
+    ``plant(step, grads)`` may change this rank's gradients."""
+    stages = stages or ((3, 2) if micro_batches > 1 else (3, 2, 1))
     opts = [make(variant, options, dtype, stage, **engine) for stage in stages]
     where = f"{variant.settings()} {dtype} {micro_batches} micro-batches {engine}"
     for step in range(1, STEPS + 1):
@@ -109,7 +113,10 @@ def bitwise(variant, options, dtype, micro_batches=1, **engine):
             if opt.grad_shard_dtype is None:
                 opt.zero_grad()
             for micro in range(micro_batches):
-                backward(opt, grads_of(rank, step, micro))
+                grads = grads_of(rank, step, micro)
+                if plant is not None:
+                    plant(step, grads)
+                backward(opt, grads)
         infos = [repr(opt.step()) for opt in opts]
         check(len(set(infos)) == 1, f"{where}: step {step}: {infos}")
         for other, stage in zip(seen[1:], stages[1:]):
@@ -320,6 +327,24 @@ def layouts():
     counts["layouts"] = f"{cases} against the plain layout"
 
 
+def features():
+    """fp16 with dynamic loss scaling and an overflow on the last rank at step 3 (every stage
+    skips it and backs off); the 8-bit gradient wire with error feedback (as stage 2); one
+    staging bucket."""
+    variant, options = adamw()
+
+    def overflow(step, grads):
+        if step == 3 and rank == size - 1:
+            grads["mat"][0, 0] = np.inf
+
+    bitwise(variant, options, "float16", plant=overflow, loss_scale="dynamic")
+    if size > 1:  # (one rank sends nothing to quantize)
+        bitwise(variant, options, "bfloat16", stages=(3, 2), reduce_dtype="int8",
+                error_feedback=True)
+    bitwise(variant, options, "bfloat16", grad_staging=1)
+    counts["features"] = "3 features"
+
+
 def hierarchical():
     """Shard groups of 2 (N even): units gathered within a group, the gradient shard summed
     across the groups; stage 3 equals stages 2 and 1 bit for bit."""
@@ -329,7 +354,7 @@ def hierarchical():
     counts["hierarchical"] = "shard_group_size=2"
 
 
-TABLE = {"rules": rules, "layouts": layouts, "prefetch": prefetch, "checkpoints": lambda: checkpoints(ARGS.directory),
+TABLE = {"rules": rules, "layouts": layouts, "features": features, "prefetch": prefetch, "checkpoints": lambda: checkpoints(ARGS.directory),
          "misuse": misuse, "memory": memory, "hierarchical": hierarchical}
 
 if __name__ == "__main__":
