@@ -303,7 +303,7 @@ def lr_factor(step):
 model = make_model()
 n_params = sum(p.numel() for p in model.parameters())
 tokens_per_step = args.batch * args.context * size
-print0(f"gpt_torch: world_size={size} stage={args.stage} dtype={args.dtype} params={n_params} "
+print0(f"gpt_torch: world_size={size} dtype={args.dtype} stage={args.stage} params={n_params} "
        f"layers={args.layers} dim={args.dim} heads={args.heads} context={args.context} "
        f"batch={args.batch}/rank ({tokens_per_step} tokens/step) vocab={VOCAB} "
        f"text=pydoc_data.topics ({len(TEXT)} chars) device={args.device} "

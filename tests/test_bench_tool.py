@@ -17,7 +17,7 @@ pytestmark = pytest.mark.mpi_independent  # (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "tools" / "bench.py"
-NAMES = ("step", "stage2", "checkpoint", "comm", "offload", "watchdog", "node", "gpu", "quant", "wire",
+NAMES = ("step", "stage2", "stage3", "checkpoint", "comm", "offload", "watchdog", "node", "gpu", "quant", "wire",
          "state")
 REFERENCES = {"adam": "torch_fused_adamw", "sgd": "torch_sgd_foreach", "lion": "zero1_numpy",
               "lamb": "zero1_numpy"}

@@ -24,7 +24,7 @@ sys.path[:0] = [str(TOOLS.parent), str(TOOLS)]  # this checkout's zero1_mpi, wha
 
 from benchmarks import common  # noqa: E402
 
-NAMES = ("step", "stage2", "checkpoint", "comm", "offload", "watchdog", "node", "gpu", "quant", "wire",
+NAMES = ("step", "stage2", "stage3", "checkpoint", "comm", "offload", "watchdog", "node", "gpu", "quant", "wire",
          "state")
 
 
