@@ -52,13 +52,18 @@ SEED = 1234
 
 
 def mlp_dims(model: str) -> tuple[int, ...]:
-    """``mlp``: 1024->4096->4096->1024 (the step benchmark's 25M MLP); ``mlp:H``: hidden size H."""
+    """``mlp``: 1024->4096->4096->1024 (the step benchmark's 25M MLP); ``mlp:H``: hidden size H;
+    ``mlp:HxL``: L hidden layers of size H (``mlp:1024x24``: 24 layers, 25M parameters)."""
     if model == "mlp":
         return (1024, 4096, 4096, 1024)
-    if model.startswith("mlp:") and model[4:].isdigit() and int(model[4:]) > 0:
-        hidden = int(model[4:])
-        return (1024, hidden, hidden, 1024)
-    raise argparse.ArgumentTypeError(f"{model!r}: use mlp or mlp:<hidden size>")
+    hidden, _, layers = model[4:].partition("x")
+    if model.startswith("mlp:") and hidden.isdigit() and int(hidden) > 0:
+        if not layers:
+            return (1024, int(hidden), int(hidden), 1024)
+        if layers.isdigit() and int(layers) > 0:
+            return (1024, *[int(hidden)] * int(layers), 1024)
+    raise argparse.ArgumentTypeError(
+        f"{model!r}: use mlp, mlp:<hidden size> or mlp:<hidden size>x<layers>")
 
 
 def param_count(dims) -> int:
@@ -136,7 +141,7 @@ def options(parser) -> None:
     parser.add_argument("--accumulate", type=common.comma_list(common.at_least(1)), default="1,4",
                         help="micro-batches per step, e.g. 1,4")
     parser.add_argument("--model", type=model, default="mlp",
-                        help="mlp (25M) or mlp:<hidden size>")
+                        help="mlp (25M), mlp:<hidden size> or mlp:<hidden size>x<layers>")
     parser.add_argument("--batch", type=common.at_least(1), default=32,
                         help="rows per micro-batch per rank")
     common.steps(parser, 10, warmup=3)

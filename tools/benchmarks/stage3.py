@@ -78,7 +78,7 @@ def options(parser) -> None:
     parser.add_argument("--dtypes", type=dtypes, default="float32,bfloat16",
                         help="parameter dtypes (float32, bfloat16)")
     parser.add_argument("--model", type=model, default="mlp",
-                        help="mlp (25M) or mlp:<hidden size>")
+                        help="mlp (25M), mlp:<hidden size> or mlp:<hidden size>x<layers>")
     parser.add_argument("--batch", type=common.at_least(1), default=32,
                         help="rows per micro-batch per rank")
     common.steps(parser, 10, warmup=3)
