@@ -90,11 +90,16 @@ class UnitGathers:
         self.order: list[int] = []
         self._recording: list[int] = []
         self._on_track = True
+        #: Prefetches completed and dropped because the order changed (each a wasted gather).
+        self.dropped = 0
         self._release = weakref.finalize(self, shard_comm.close, None)
 
     # -- as ParamGathers, for the update and the checkpoints ------------------------------
 
-    in_flight = property(lambda self: int(self._prefetched is not None))
+    @property
+    def in_flight(self) -> int:
+        """How many units' gathers are travelling (a prefetch not yet waited for)."""
+        return int(self._prefetched is not None and bool(self._prefetched.requests))
 
     @property
     def scratch_bytes(self) -> int:
@@ -199,6 +204,7 @@ class UnitGathers:
             if prefetched is not None:  # the order changed: a correct, slower path
                 self._wait(prefetched)
                 self._pool.append(prefetched.buffer)
+                self.dropped += 1
             entry = self._start(index)
             self._wait(entry)
         self._open[index] = entry
