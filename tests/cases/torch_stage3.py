@@ -40,8 +40,8 @@ class Block(torch.nn.Module):
         self.lin = torch.nn.Linear(WIDTH, WIDTH)
         self.norm = torch.nn.LayerNorm(WIDTH)
 
-    def forward(self, h):
-        return h + torch.tanh(self.lin(self.norm(h)))
+    def forward(self, h):  # (a tuple with what a backward cannot reach, as attention's)
+        return h + torch.tanh(self.lin(self.norm(h))), None, 0
 
 
 class Tiny(torch.nn.Module):
@@ -55,7 +55,7 @@ class Tiny(torch.nn.Module):
     def forward(self, x):
         h = self.emb(x)
         for block in self.blocks:
-            h = block(h)
+            h = block(h)[0]
         return self.head(h)
 
 
