@@ -155,3 +155,27 @@ def test_stage3_options_are_checked_on_one_rank():
     with stage1.gathered("all") as p:  # stages 1 and 2: views of the full buffer
         assert p["l2.w"] is not None and (p["l2.w"] == 1).all()
     stage1.close()
+
+
+@pytest.mark.mpi_independent
+def test_a_unit_of_empty_tensors_and_the_counts_of_groups():
+    """A unit whose tensors hold no element is one bucket of padding, none of it real; the
+    param groups must count the tensors; eight units are named in full, a ninth is not."""
+    shapes = {"none": (0, 3), **{f"u{i}.w": (3,) for i in range(8)}}
+    layout = build_layout(shapes, 2, "float32", units={"E": ["none"], **{
+        f"u{i}": [f"u{i}.w"] for i in range(8)}})
+    empty = layout.buckets[layout.unit_named("E").first]
+    assert empty.used == 0 and empty.owned_real(0) == empty.owned_real(1) == 0
+    assert layout.numel == 24 and sum(layout.owned_real(r) for r in (0, 1)) == 24
+    with pytest.raises(ValueError, match=r"param_group_tensors=\[1\] must count the 9 tensors"):
+        build_layout(shapes, 2, "float32", param_group_tensors=[1])
+    nine = build_layout(shapes, 2, "float32", units={"E": ["none"], **{
+        f"u{i}": [f"u{i}.w"] for i in range(8)}})
+    with pytest.raises(KeyError) as found:
+        nine.unit_named("x")
+    assert found.value.args[0].endswith("'u6', ... (opt.options.units)")
+    eight = build_layout({f"u{i}.w": (3,) for i in range(8)}, 2, "float32",
+                         units={f"u{i}": [f"u{i}.w"] for i in range(8)})
+    with pytest.raises(KeyError) as found:
+        eight.unit_named("x")
+    assert found.value.args[0].endswith("'u7' (opt.options.units)")
