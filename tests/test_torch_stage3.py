@@ -54,3 +54,13 @@ def test_stage3_needs_the_module_and_refuses_overlap():
         ZeroOptimizer(list(m.named_parameters()), "adamw", MPI.COMM_SELF, shard_params=True)
     with pytest.raises(ValueError, match="without overlap"):
         ZeroOptimizer(m, "adamw", MPI.COMM_SELF, shard_params=True, overlap=True)
+
+
+@pytest.mark.mpi_independent
+def test_reshard_after_forward_is_stage3s_and_a_flag():
+    with pytest.raises(ValueError, match="reshard_after_forward=False is stage 3's: pass "
+                                         "shard_params=True too"):
+        ZeroOptimizer(tied(), "adamw", MPI.COMM_SELF, reshard_after_forward=False)
+    with pytest.raises(ValueError, match="reshard_after_forward=2 must be True"):
+        ZeroOptimizer(tied(), "adamw", MPI.COMM_SELF, shard_params=True,
+                      reshard_after_forward=2)

@@ -91,8 +91,8 @@ class ZeroOptimizer(PassThrough, torch.optim.Optimizer):
             gradient in a backward is handed over as zeros when that backward ends), and every
             micro-batch's backward reduces its buckets (``no_sync()`` changes nothing).
             ``shard_params=True`` (stage 3, docs/stage3.md; needs the module): each unit
-            (``units=[blocks]``, else each module owning parameters) gathered for its
-            module's forward and backward, freed (``.data`` empty) in between.
+            (``units=[blocks]``, else each module owning parameters) gathered for its module's
+            forward and backward, freed between (``reshard_after_forward=False``: kept).
     """
 
     def __init__(

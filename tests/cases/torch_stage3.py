@@ -12,6 +12,8 @@ by an unchanged loop (forward, ``loss.backward()``, ``step()``) on each rank's o
 - between steps, and outside its module's forward, every parameter holds no memory
   (``untyped_storage().nbytes() == 0``); from the second step on, a unit's gather is in flight
   when the module before it runs (prefetch); a forward under ``no_grad`` frees all;
+- ``reshard_after_forward=False`` keeps each unit from its forward to its backward: the same
+  bits;
 - the default units (each module owning parameters; the tied weight in ``(root)``) and
   ``units=[blocks]``; a stage-3 checkpoint loads into stage 2 (fresh model) and the next step
   matches; ``unbind()`` gives full parameters back.
@@ -172,6 +174,30 @@ def prefetch_and_eval():
     opt.close()
 
 
+def kept_for_backward():
+    """``reshard_after_forward=False``: the units stay gathered from their forward to their
+    backward (nothing gathered twice), the same bits as freeing them between."""
+    freeing, keeping = model(), model()
+    ours, theirs = build(freeing, 3), build(keeping, 3, reshard_after_forward=False)
+    for step in range(1, STEPS + 1):
+        a = loss_of(freeing, batch(rank, step))
+        b = loss_of(keeping, batch(rank, step))
+        check(keeping.blocks[1].lin.weight.numel() == WIDTH * WIDTH
+              and freeing.blocks[1].lin.weight.numel() == 0,
+              f"step {step}: after the forward, the kept unit is not gathered or the freed is")
+        a.backward()
+        b.backward()
+        ours.step()
+        theirs.step()
+        check(a.item() == b.item(), f"step {step}: {a.item()} vs {b.item()}")
+        freed(keeping, f"kept units, after step {step}")
+    mine, want = keeping.state_dict(), freeing.state_dict()
+    for k in want:
+        check(same(mine[k], want[k]), f"reshard_after_forward=False: {k} differs")
+    ours.close()
+    theirs.close()
+
+
 def blocks_and_checkpoints(directory: Path):
     m = model()
     opt = build(m, 3, units=list(m.blocks))
@@ -202,6 +228,7 @@ if __name__ == "__main__":
     against_stage2(torch.bfloat16)
     against_torch()
     prefetch_and_eval()
+    kept_for_backward()
     blocks_and_checkpoints(Path(sys.argv[1]))
     if rank == 0:
         print(f"OK torch stage 3 on {size} ranks")

@@ -26,11 +26,23 @@ __all__ = ["ROOT", "module_units", "plan_units", "UnitHooks", "NoUnits"]
 ROOT = "(root)"
 
 
-def plan_units(module, named: dict, options: dict, overlap: bool) -> tuple[dict, dict] | None:
+def plan_units(module, named: dict, options: dict, overlap: bool) -> tuple | None:
     """With ``options["shard_params"]``: ``module_units`` of ``options``' ``units`` (blocks),
-    which it replaces by the units' names for the core; else None."""
+    which it replaces by the units' names for the core, and ``reshard_after_forward`` (taken
+    out of ``options``); else None."""
+    reshard = options.pop("reshard_after_forward", True)
     if not options.get("shard_params"):
+        if reshard is not True:
+            raise ValueError(
+                f"reshard_after_forward={reshard!r} is stage 3's: pass shard_params=True too, "
+                "or drop it"
+            )
         return None
+    if not isinstance(reshard, bool):
+        raise ValueError(
+            f"reshard_after_forward={reshard!r} must be True (free each unit after its "
+            "forward, gather it again for its backward) or False (keep it until its backward)"
+        )
     if module is None or overlap:
         raise ValueError(
             "shard_params=True needs the module (its forward gathers each unit) and hands the "
@@ -39,7 +51,7 @@ def plan_units(module, named: dict, options: dict, overlap: bool) -> tuple[dict,
         )
     units, users = module_units(module, named, options.get("units"))
     options["units"] = units
-    return units, users
+    return units, users, reshard
 
 
 def module_units(module, named: dict, blocks=None) -> tuple[dict, dict]:
@@ -92,10 +104,12 @@ def _chosen(modules: dict, blocks) -> list[str]:
 
 class UnitHooks:
     """The hooks that gather, free and hand over the units of ``opt`` (a ``ZeroOptimizer``
-    with ``shard_params``) on ``module``; ``units``, ``users`` as ``module_units`` gives."""
+    with ``shard_params``) on ``module``; ``units``, ``users`` as ``module_units`` gives;
+    ``reshard``: free a unit after its forward (else keep it gathered until its backward)."""
 
-    def __init__(self, opt, module, named: dict, units: dict, users: dict):
+    def __init__(self, opt, module, named: dict, units: dict, users: dict, reshard=True):
         self._ref, self._named, self._units = weakref.ref(opt), named, units
+        self._reshard = reshard
         self._gathers = opt.sharded.state.gathers
         self._unit_of = {name: unit for unit, names in units.items() for name in names}
         self._empty: dict = {}  # dtype -> a 0-element tensor: what a freed parameter holds
@@ -157,8 +171,12 @@ class UnitHooks:
                     if not torch.is_grad_enabled():  # no backward will come to free it
                         self._drop_backward(ROOT)
                     continue
-                self.release(unit)
-            if backward:
+                if self._reshard or not backward:
+                    self.release(unit)
+                else:  # kept gathered for its backward, freed once its gradients are in
+                    self._backward.append(unit)
+                    self._pending[unit] = set(self._units[unit])
+            if backward and self._reshard:
                 others = [u for u in unit_names if u != ROOT]
                 if others:
                     torch.autograd.graph.register_multi_grad_hook(
