@@ -133,3 +133,7 @@ if trainer.state.global_step < args.max_steps:  # stopped by a signal
         print(f"stopped at step {trainer.state.global_step}: go on with --resume")
 else:
     trainer.save_model()  # rank 0 writes it
+if TORCHRUN and torch.distributed.is_initialized():
+    # torch's own DDP: end its gloo group before exit (left to the interpreter's exit, its
+    # threads can abort a rank: "terminate called without an active exception")
+    torch.distributed.destroy_process_group()
