@@ -193,18 +193,6 @@ def run_fsdp(comm, dims, batches, dtype, accumulate, args) -> dict:
     fully_shard(model, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
 
-    def local_bytes(tensors) -> int:
-        seen, total = set(), 0
-        for t in tensors:
-            if t is None or not torch.is_tensor(t):
-                continue
-            t = t.to_local() if isinstance(t, DTensor) else t
-            storage = t.untyped_storage()
-            if t.dim() > 0 and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
-
     def fsdp_params():
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -255,3 +243,18 @@ def run_fsdp(comm, dims, batches, dtype, accumulate, args) -> dict:
     return out
 
 
+def local_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors`` (a DTensor's local shard), each counted once;
+    None, non-tensors and 0-d tensors (AdamW's step counters) left out."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        t = t.to_local() if isinstance(t, DTensor) else t
+        storage = t.untyped_storage()
+        if t.dim() > 0 and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

@@ -15,7 +15,7 @@ from zero1_mpi.torch import ZeroOptimizer
 
 from . import common
 from .stage2 import WEIGHT_DECAY, first_line, mlp_dims, param_count
-from .stage2_torch import build_model, make_batches, train
+from .stage2_torch import build_model, local_bytes, make_batches, train
 
 
 def measure(args) -> dict:
@@ -71,7 +71,6 @@ def run_zero(comm, dims, batches, dtype: str, stage: int, args) -> dict:
 
 def run_fsdp(comm, dims, batches, dtype, args) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
 
     model = build_model(dims)
     options, input_dtype = {"reshard_after_forward": True}, torch.float32
@@ -88,25 +87,12 @@ def run_fsdp(comm, dims, batches, dtype, args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=WEIGHT_DECAY)
     held = {}
 
-    def local_bytes(tensors) -> int:
-        seen, total = set(), 0
-        for t in tensors:
-            if t is None:
-                continue
-            t = t.to_local() if isinstance(t, DTensor) else t
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
-
     def probe(point, m):
         if point == "step":
             params = list(model.parameters())
             held["sharded_params"] = local_bytes(params)
             held["sharded_grads"] = local_bytes(p.grad for p in params)
-            held["state"] = local_bytes(t for s in opt.state.values() for t in s.values()
-                                        if torch.is_tensor(t) and t.dim() > 0)
+            held["state"] = local_bytes(t for s in opt.state.values() for t in s.values())
 
     def step():
         opt.step()

@@ -191,7 +191,8 @@ class UnitGathers:
     # -- internals -------------------------------------------------------------------------
 
     def _index(self, unit) -> int:
-        return self._by_name[self.layout.unit_named(unit).name]
+        index = self._by_name.get(unit)
+        return self._by_name[self.layout.unit_named(unit).name] if index is None else index
 
     def _acquire(self, index: int) -> _Open:
         """Unit ``index`` gathered: the prefetched one where it is, else gathered now; then
